@@ -1,0 +1,134 @@
+"""``python -m k3mono``: make-checkpoint, run, check.
+
+Bad input (a K3InputError) prints one line, ``k3mono: error: ...``, and exits 2,
+with no output file written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from .config import PRESETS
+from .errors import K3InputError
+
+CHECK_PRESET = "tiny"
+CHECK_LAYERS = (1, 13)
+"""Layer 1 sees one AttnRes block, layer 13 two: both sides of a block boundary."""
+CHECK_TOKENS = (1, 3, 16)
+CHECK_TPS = (1, 2, 4)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3mono", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    make = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the released layout")
+    make.add_argument("dir", type=Path)
+    make.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    make.add_argument("--layers", type=int, nargs="+", default=list(CHECK_LAYERS))
+    make.add_argument("--seed", type=int, default=0)
+
+    run = sub.add_parser("run", help="run layer_post of one layer on an inputs file")
+    run.add_argument("--checkpoint", type=Path, required=True)
+    run.add_argument("--layer", type=int, required=True)
+    run.add_argument("--inputs", type=Path, required=True)
+    run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--tp", type=int, default=1)
+    run.add_argument("--impl", default="reference", help="reference or staged")
+    run.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
+
+    check = sub.add_parser("check", help="every available impl against the float64 oracle on a built-in default")
+    check.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    check.add_argument("--keep", type=Path, default=None, help="write the checkpoint and inputs here, not in a temp dir")
+    return parser
+
+
+def cmd_make_checkpoint(args) -> int:
+    from .synthetic import make_checkpoint
+
+    cfg = make_checkpoint(args.dir, args.preset, tuple(args.layers), args.seed)
+    print(f"wrote {args.dir}: preset {args.preset}, layers {args.layers}, H={cfg.hidden_size}, E={cfg.num_experts}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .checkpoint import load_layer
+    from .iofiles import read_inputs, write_outputs
+    from .runner import IMPLS, default_device, prepare_device, run_layer
+
+    if args.impl not in IMPLS:
+        raise K3InputError(f"impl: expected one of {list(IMPLS)}, got {args.impl!r}")
+    device = prepare_device(args.device or default_device())
+    cfg, weights = load_layer(args.checkpoint, args.layer)
+    cfg.validate_tp(args.tp)
+    inputs = read_inputs(args.inputs, cfg, args.layer)
+    outputs = run_layer(args.impl, cfg, weights, inputs, args.layer, args.tp, device)
+    write_outputs(args.out, **outputs)
+    print(f"wrote {args.out}: impl {args.impl}, T={args.tp}, S={inputs['core'].shape[0]}, layer {args.layer}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .runner import default_device, prepare_device
+
+    device = prepare_device(args.device or default_device())
+    if args.keep is not None:
+        return _check_in(args.keep, device)
+    with tempfile.TemporaryDirectory(prefix="k3mono-check-") as folder:
+        return _check_in(Path(folder), device)
+
+
+def _check_in(folder: Path, device) -> int:
+    from .checkpoint import load_layer
+    from .iofiles import read_inputs, write_inputs, write_outputs
+    from .runner import Oracle, available_impls, run_layer
+    from .synthetic import make_checkpoint, random_inputs
+    from safetensors.torch import load_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ckpt = folder / "checkpoint"
+    cfg = make_checkpoint(ckpt, CHECK_PRESET, CHECK_LAYERS, seed=0)
+    impls = available_impls()
+    print(f"check: preset {CHECK_PRESET} in {folder}, device {device}, impls {', '.join(impls)}")
+    header = f"{'impl':<10} {'T':>2} {'S':>3} {'layer':>5} {'moe err':>9} {'budget':>9} {'prefix err':>10} {'budget':>9}  routes     ok"
+    print(header)
+    failures = 0
+    for layer in CHECK_LAYERS:
+        cfg, weights = load_layer(ckpt, layer)
+        for tokens in CHECK_TOKENS:
+            inputs_path = folder / f"inputs-L{layer}-S{tokens}.safetensors"
+            write_inputs(inputs_path, random_inputs(cfg, tokens, layer, seed=100 * layer + tokens))
+            inputs = read_inputs(inputs_path, cfg, layer)
+            oracle = Oracle(cfg, weights, inputs, layer)
+            for impl in impls:
+                for tp in CHECK_TPS:
+                    out_path = folder / f"out-{impl}-T{tp}-L{layer}-S{tokens}.safetensors"
+                    write_outputs(out_path, **run_layer(impl, cfg, weights, inputs, layer, tp, device))
+                    verdict = oracle.judge(load_file(str(out_path)))
+                    failures += not verdict.ok
+                    print(
+                        f"{impl:<10} {tp:>2} {tokens:>3} {layer:>5} {verdict.moe_err:>9.2e} {verdict.moe_budget:>9.2e} "
+                        f"{verdict.prefix_err:>10.2e} {verdict.prefix_budget:>9.2e}  "
+                        f"{'identical' if verdict.routes_identical else 'DIFFER':<9}  {'ok' if verdict.ok else 'FAIL'}"
+                    )
+    print("check: all within budget" if not failures else f"check: {failures} over budget or with different routes")
+    return 1 if failures else 0
+
+
+COMMANDS = {"make-checkpoint": cmd_make_checkpoint, "run": cmd_run, "check": cmd_check}
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except K3InputError as err:
+        print(f"k3mono: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

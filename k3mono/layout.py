@@ -1,0 +1,101 @@
+"""Where one rank's exchanges and scratch live (byte regions of flat buffers).
+
+Peer buffer of a rank (what other ranks write into; one parity of it):
+
+    ar1     [T, S, H]    fp32   slot t: rank t's o_proj partial            (AR1)
+    logits  [S, E]       fp32   columns t*E/T ..: rank t's router rows    (AG1)
+    z       [S, L]       bf16   columns t*L/T ..: rank t's latent rows    (AG1)
+    ar2     [T, S, L]    fp32   slot t: rank t's routed-expert partial    (AR2)
+    ar3     [T, S, H]    fp32   slot t: rank t's up + shared-down partial (AR3)
+
+Scratch of a rank (only that rank reads and writes it):
+
+    x          [S, H]        bf16   the MoE input rms(h)
+    route_ids  [S, K]        int32  ascending per token
+    route_w    [S, K]        fp32   renormalised sigmoid scores, route_ids order
+    expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
+    latent     [S, L]        bf16   rms(bf16(sum of AR2), routed_expert_norm)
+    shared_act [S, SI/T]     bf16   situ of the shared experts, this rank's slice
+
+Every region starts on a ``REGION_ALIGN`` boundary, so any dtype view of it is
+aligned for 16-byte vector access.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import K3Config
+
+REGION_ALIGN = 256
+"""Bytes: a region boundary is aligned for every vector width and keeps two
+regions out of one 128-byte cache line, so a writer of one never invalidates
+a reader of the other."""
+
+PEER_REGIONS = ("ar1", "logits", "z", "ar2", "ar3")
+SCRATCH_REGIONS = ("x", "route_ids", "route_w", "expert_act", "latent", "shared_act")
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // REGION_ALIGN) * REGION_ALIGN
+
+
+def _pack(regions: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
+    """name -> (byte offset, shape, dtype), in order, each region aligned."""
+    out, offset = {}, 0
+    for name, (shape, dtype) in regions.items():
+        out[name] = (offset, shape, dtype)
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        offset += _aligned(nbytes)
+    out["__end__"] = (offset, (), torch.uint8)
+    return out
+
+
+def peer_layout(cfg: K3Config, tp: int, tokens: int) -> dict:
+    """One parity of a rank's peer buffer: name -> (byte offset, shape, dtype)."""
+    H, E, L, S = cfg.hidden_size, cfg.num_experts, cfg.routed_expert_hidden_size, tokens
+    return _pack(
+        {
+            "ar1": ((tp, S, H), torch.float32),
+            "logits": ((S, E), torch.float32),
+            "z": ((S, L), torch.bfloat16),
+            "ar2": ((tp, S, L), torch.float32),
+            "ar3": ((tp, S, H), torch.float32),
+        }
+    )
+
+
+def scratch_layout(cfg: K3Config, tp: int, tokens: int) -> dict:
+    """A rank's scratch buffer: name -> (byte offset, shape, dtype)."""
+    H, K, L, S = cfg.hidden_size, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, tokens
+    return _pack(
+        {
+            "x": ((S, H), torch.bfloat16),
+            "route_ids": ((S, K), torch.int32),
+            "route_w": ((S, K), torch.float32),
+            "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
+            "latent": ((S, L), torch.bfloat16),
+            "shared_act": ((S, cfg.shared_intermediate // tp), torch.bfloat16),
+        }
+    )
+
+
+def layout_bytes(layout: dict) -> int:
+    return layout["__end__"][0]
+
+
+def region_views(buffer: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
+    """Typed views of a flat uint8 ``buffer`` (no copies): name -> tensor."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < layout_bytes(layout):
+        raise ValueError(f"region_views: expected a flat uint8 buffer of at least {layout_bytes(layout)} bytes")
+    views = {}
+    for name, (offset, shape, dtype) in layout.items():
+        if name == "__end__":
+            continue
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        views[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
+    return views

@@ -1,0 +1,129 @@
+"""Run one layer_post with a named implementation, and compare it with the oracle.
+
+Implementations: ``reference`` (pure torch; tensor-parallel form when T > 1)
+and ``staged`` (one Triton launch per stage, T ranks on one device). An
+implementation that is asked for runs or fails with a clear error: it never
+falls back to another.
+
+On a CPU device the Triton implementations run in the Triton interpreter,
+which must be switched on before Triton compiles anything: ``prepare_device``
+does that, so it runs before any kernel module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .config import K3Config
+from .errors import K3InputError
+from .reference import layer_post, layer_post_tp
+from .weights import LayerWeights, shard_all
+
+IMPLS = ("reference",)
+
+
+def prepare_device(device: str) -> torch.device:
+    """The torch device for ``device`` ('cpu' or 'cuda'), the interpreter on for CPU kernels."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise K3InputError("device: cuda requested but torch sees no GPU (use --device cpu)")
+        return torch.device("cuda")
+    if device != "cpu":
+        raise K3InputError(f"device: expected cpu or cuda, got {device!r}")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return torch.device("cpu")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def available_impls() -> tuple[str, ...]:
+    """Every implementation this machine can run (Triton ones need the triton package)."""
+    if importlib.util.find_spec("triton") is None:
+        return ("reference",)
+    return IMPLS
+
+
+def _check_interpreter(device: torch.device) -> None:
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise K3InputError("device cpu: the Triton kernels need TRITON_INTERPRET=1 on a machine without a GPU")
+
+
+def run_layer(impl: str, cfg: K3Config, weights: LayerWeights, inputs: dict, layer: int, tp: int, device) -> dict:
+    """The four outputs of layer_post as every rank sees them (on the CPU):
+    moe_out [S, H] bf16, prefix [S, H] bf16, route_ids [S, K] int64, route_weights [S, K] fp32."""
+    if impl not in IMPLS:
+        raise K3InputError(f"impl: expected one of {list(IMPLS)}, got {impl!r}")
+    cfg.validate_tp(tp)
+    device = torch.device(device)
+    on_device = {name: t.to(device) for name, t in inputs.items()}
+    if impl == "reference":
+        if tp == 1:
+            result = layer_post(**on_device, layer=layer, weights=weights.to(device), cfg=cfg)
+        else:
+            result = layer_post_tp(**on_device, layer=layer, shards=shard_all(weights.to(device), cfg, tp), cfg=cfg)
+        return {name: t.cpu() for name, t in result.outputs().items()}
+    _check_interpreter(device)
+    from .staged import StagedLayer
+
+    shards = [w.to(device) for w in shard_all(weights, cfg, tp)]
+    staged = StagedLayer(cfg, shards, tokens=inputs["core"].shape[0], layer=layer)
+    return {name: t.cpu() for name, t in staged(**on_device).outputs().items()}
+
+
+@dataclass
+class Comparison:
+    """One implementation's outputs against the float64 oracle and the bf16 reference."""
+
+    moe_err: float
+    moe_budget: float
+    prefix_err: float
+    prefix_budget: float
+    routes_identical: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.routes_identical and self.moe_err <= self.moe_budget and self.prefix_err <= self.prefix_budget
+
+
+BUDGET_FACTOR = 2.0
+"""An implementation may err at most this many times the bf16 reference's own
+error against the float64 oracle."""
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+class Oracle:
+    """The float64 oracle and the bf16 reference's error against it, for one input.
+
+    The oracle is evaluated on the routes of the path it judges: near-ties in
+    the router flip between float64 and bf16 (a few percent of tokens), which
+    is a difference in routes, checked exactly against the bf16 reference,
+    not numerical error.
+    """
+
+    def __init__(self, cfg: K3Config, weights: LayerWeights, inputs: dict, layer: int):
+        self.args = dict(inputs, layer=layer, weights=weights, cfg=cfg)
+        self.reference = layer_post(**self.args)
+        exact = layer_post(**self.args, mode="oracle", forced_routes=self.reference.route_ids)
+        self.moe_budget = BUDGET_FACTOR * rel_err(self.reference.moe_out, exact.moe_out)
+        self.prefix_budget = BUDGET_FACTOR * rel_err(self.reference.prefix, exact.prefix)
+
+    def judge(self, outputs: dict) -> Comparison:
+        routes_identical = torch.equal(outputs["route_ids"].cpu(), self.reference.route_ids)
+        exact = layer_post(**self.args, mode="oracle", forced_routes=outputs["route_ids"].cpu())
+        return Comparison(
+            moe_err=rel_err(outputs["moe_out"], exact.moe_out),
+            moe_budget=self.moe_budget,
+            prefix_err=rel_err(outputs["prefix"], exact.prefix),
+            prefix_budget=self.prefix_budget,
+            routes_identical=routes_identical,
+        )

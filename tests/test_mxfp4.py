@@ -1,0 +1,85 @@
+"""MXFP4 layout and rounding against hand-computed bytes and the spec in k3-math.md."""
+
+import torch
+
+from k3mono.mxfp4 import dequantize, e2m1_table, quantize
+
+GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _row(*values: float) -> torch.Tensor:
+    """One 32-wide group: ``values`` then zeros, as a [1, 32] row."""
+    row = torch.zeros(1, 32)
+    row[0, : len(values)] = torch.tensor(values)
+    return row
+
+
+def test_quantize_hand_computed_bytes():
+    # amax 6 = 1.5 * 2^2 -> scale exponent 0 -> byte 127 = 0x7F.
+    # 0.5 -> nibble 0x1, -1 -> 0x8 | 0x2 = 0xA, 6 -> 0x7, 3 -> 0x5.
+    packed, scale = quantize(_row(0.5, -1.0, 6.0, 3.0))
+    assert scale.tolist() == [[0x7F]]
+    # Element 0 in the low nibble, element 1 in the high nibble.
+    assert packed[0, :3].tolist() == [0xA1, 0x57, 0x00]
+    assert packed[0, 3:].eq(0).all()
+
+
+def test_quantize_scale_per_group():
+    # Group 0 scaled by 1/4: amax 1.5 -> exponent floor(log2 1.5) - 2 = -2 -> byte 125 = 0x7D.
+    # Group 1: amax 12 -> exponent 3 - 2 = 1 -> byte 0x80; -12/2 = -6 -> 0xF, 2/2 = 1 -> 0x2.
+    row = torch.cat([_row(0.125, -0.25, 1.5, 0.75), _row(-12.0, 2.0)], dim=1)
+    packed, scale = quantize(row)
+    assert scale.tolist() == [[0x7D, 0x80]]
+    assert packed[0, :2].tolist() == [0xA1, 0x57]
+    assert packed[0, 16].item() == 0x2F
+
+
+def test_dequantize_hand_computed_bytes():
+    packed = torch.zeros(1, 16, dtype=torch.uint8)
+    packed[0, 0], packed[0, 1] = 0xA1, 0x57
+    scale = torch.tensor([[0x7E]], dtype=torch.uint8)  # 2^-1
+    values = dequantize(packed, scale)
+    assert values[0, :4].tolist() == [0.25, -0.5, 3.0, 1.5]
+    assert values[0, 4:].eq(0).all()
+
+
+def test_every_nibble_decodes_to_its_table_value():
+    expected = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    nibbles = torch.arange(16, dtype=torch.uint8)
+    # Each nibble once as a low nibble (even element) and once as a high nibble (odd element).
+    packed = (nibbles | ((15 - nibbles) << 4)).reshape(1, 16)
+    values = dequantize(packed, torch.tensor([[127]], dtype=torch.uint8))[0]
+    assert values[0::2].tolist() == expected
+    assert values[1::2].tolist() == expected[::-1]
+    assert torch.signbit(values[16]) and not torch.signbit(values[0])  # nibble 8 is -0
+    assert e2m1_table().tolist() == expected
+
+
+def test_round_trip_exact_on_scaled_grid():
+    g = torch.Generator().manual_seed(1)
+    rows, groups = 64, 6
+    codes = torch.randint(0, 16, (rows, groups * 32), generator=g)
+    codes[3, :32] = 0  # an all-zero group
+    exponents = torch.randint(-20, 20, (rows, groups, 1), generator=g).float()
+    x = (e2m1_table()[codes].unflatten(-1, (groups, 32)) * torch.exp2(exponents)).flatten(-2)
+    packed, scale = quantize(x)
+    assert torch.equal(dequantize(packed, scale), x)
+
+
+def test_round_trip_error_within_half_a_grid_step():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 128, generator=g) * torch.exp2(torch.randint(-8, 8, (256, 1), generator=g).float())
+    packed, scale = quantize(x)
+    got = dequantize(packed, scale)
+    step = torch.exp2(scale.float() - 127).repeat_interleave(32, dim=1)  # [R, C] the group's unit
+    scaled = x.abs() / step
+    # Largest value per group lands in [4, 8) before rounding (the OCP MX scale rule).
+    group_max = scaled.unflatten(-1, (-1, 32)).amax(-1)
+    assert group_max.ge(4).all() and group_max.lt(8).all()
+    # Inside the grid: error at most half the gap between the two neighbouring grid values.
+    upper = torch.bucketize(scaled.clamp(max=6), GRID).clamp(min=1)
+    half_gap = (GRID[upper] - GRID[upper - 1]) / 2
+    inside = scaled <= 6
+    assert ((got - x).abs() / step)[inside].le(half_gap[inside]).all()
+    # Beyond 6 it clips to +-6 units, keeping the sign.
+    assert torch.equal(got[~inside], torch.sign(x[~inside]) * 6 * step[~inside])
