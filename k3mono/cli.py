@@ -1,4 +1,4 @@
-"""``python -m k3mono``: make-checkpoint, run, check.
+"""``python -m k3mono``: make-checkpoint, run, check, plan.
 
 Bad input (a K3InputError) prints one line, ``k3mono: error: ...``, and exits 2,
 with no output file written.
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .config import PRESETS
 from .errors import K3InputError
+from .validate import check_tokens
 
 CHECK_PRESET = "tiny"
 CHECK_LAYERS = (1, 13)
@@ -43,6 +44,20 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="every available impl against the float64 oracle on a built-in default")
     check.add_argument("--device", default=None, choices=["cpu", "cuda"])
     check.add_argument("--keep", type=Path, default=None, help="write the checkpoint and inputs here, not in a temp dir")
+
+    bench = sub.add_parser("bench", help="GPU: staged, each stage, unfused PyTorch and the floor, per S")
+    bench.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    bench.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    bench.add_argument("--tp", type=int, nargs="+", default=[8, 1], help="tables: 8 = one rank of TP8, 1 = whole layer")
+
+    plan = sub.add_parser("plan", help="print the mono launch's task table for one rank")
+    plan.add_argument("--tokens", type=int, required=True, help="S, tokens of the launch")
+    plan.add_argument("--tp", type=int, required=True, help="T, tensor-parallel ranks")
+    plan.add_argument("--sms", type=int, required=True, help="SMs (CUs) of the device: 132 on an H200, 256 on an MI355X")
+    plan.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS))
+    plan.add_argument("--nblocks", type=int, default=None, help="AttnRes blocks for the floor (default: the deepest layer's)")
+    plan.add_argument("--prefetch-final", action="store_true", help="L2-prefetch FINAL's weights after the experts")
+    plan.add_argument("--ctas-per-sm", type=int, default=1, help="resident CTAs an SM is given (default 1)")
     return parser
 
 
@@ -118,7 +133,83 @@ def _check_in(folder: Path, device) -> int:
     return 1 if failures else 0
 
 
-COMMANDS = {"make-checkpoint": cmd_make_checkpoint, "run": cmd_run, "check": cmd_check}
+MB = 1e6
+
+
+def cmd_bench(args) -> int:
+    from .bench import TABLES, run_bench
+
+    for tokens in args.tokens:
+        check_tokens(tokens)
+    titles = dict(TABLES)
+    for tp in args.tp:
+        if tp not in titles:
+            raise K3InputError(f"bench --tp: expected one of {sorted(titles)}, got {tp}")
+    run_bench(args.out, tuple(args.tokens), tuple((tp, titles[tp]) for tp in args.tp))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .config import preset
+    from .floor import floor_bytes
+    from .planner import MonoOptions, plan
+
+    cfg = preset(args.preset)
+    options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm)
+    table = plan(cfg, args.tp, args.tokens, args.sms, options)
+    floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks)
+    print(
+        f"plan: preset {args.preset}, T={args.tp}, S={args.tokens}, {args.sms} SMs, "
+        f"options {table.options} (bits {table.options.bits():#x}); one rank's table, the same on every rank"
+    )
+    print(f"{'tickets':<13} {'kind':<14} {'tasks':>6}  {'indices':<36} {'MB':>8}  {'waits a task':<44} raises")
+    for group in table.groups():
+        print(_plan_group_line(group))
+    summary = table.summary()
+    print(
+        f"summary: {summary.tasks} tasks, {summary.ctas} CTAs, {summary.weight_bytes / MB:.3f} MB weights streamed, "
+        f"{summary.waits} waits, {table.num_flag_words} flag words"
+    )
+    print(
+        f"floor:   {floor['weight_bytes'] / MB:.3f} MB weights (S*K = {args.tokens * cfg.num_experts_per_token} experts) "
+        f"+ {floor['activation_bytes'] / MB:.3f} MB activations = {floor['total'] / MB:.3f} MB"
+    )
+    return 0
+
+
+def _span_text(values, name: str) -> str:
+    lo, hi = min(values), max(values)
+    return f"{name} {lo}" if lo == hi else f"{name} {lo}..{hi}"
+
+
+def _plan_group_line(group) -> str:
+    tasks = group.tasks
+    indices = []
+    if tasks[0].token >= 0:
+        indices.append(_span_text([t.token for t in tasks], "tok"))
+    if tasks[0].slot >= 0:
+        indices.append(_span_text([t.slot for t in tasks], "slot"))
+    if tasks[0].tile >= 0:
+        indices.append(f"[{min(t.span[0] for t in tasks)}:{max(t.span[1] for t in tasks)}) by {tasks[0].span[1] - tasks[0].span[0]}")
+    waits = ", ".join(
+        f"{w.flag.name}[{_span_text([t.waits[i].index for t in tasks], '').strip()}]"
+        f">={_span_text([t.waits[i].count for t in tasks], '').strip()}"
+        + ("(addr)" if w.before_loads else "")
+        for i, w in enumerate(tasks[0].waits)
+    )
+    raises = ", ".join(
+        f"{r.flag.name}[{_span_text([t.raises[i].index for t in tasks], '').strip()}]" + (" every rank" if r.every_rank else "")
+        for i, r in enumerate(tasks[0].raises)
+    )
+    tickets = f"{tasks[0].ticket}-{tasks[-1].ticket}"
+    mb = sum(t.weight_bytes for t in tasks) / MB
+    return (
+        f"{tickets:<13} {group.kind.name:<14} {len(tasks):>6}  {' '.join(indices):<36} {mb:>8.3f}  "
+        f"{waits or '-':<44} {raises or '-'}"
+    )
+
+
+COMMANDS = {"bench": cmd_bench, "make-checkpoint": cmd_make_checkpoint, "run": cmd_run, "check": cmd_check, "plan": cmd_plan}
 
 
 def main(argv=None) -> int:

@@ -22,9 +22,9 @@ E2M1_MAX_EXPONENT = 2
 E8M0_BIAS = 127
 
 
-def e2m1_table(dtype=torch.float32) -> torch.Tensor:
+def e2m1_table(dtype=torch.float32, device=None) -> torch.Tensor:
     """The 16 nibble values, indexed by the nibble."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=dtype)
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=dtype, device=device)
     return torch.cat([mags, -mags])
 
 
@@ -41,7 +41,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
     low = (packed & 0xF).long()
     high = (packed >> 4).long()
     nibbles = torch.stack([low, high], dim=-1).flatten(-2)
-    values = e2m1_table(dtype)[nibbles]
+    values = e2m1_table(dtype, packed.device)[nibbles]
     factors = torch.exp2(scale.to(dtype) - E8M0_BIAS)
     return (values.unflatten(-1, (-1, MXFP4_GROUP)) * factors.unsqueeze(-1)).flatten(-2)
 

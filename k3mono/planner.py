@@ -4,24 +4,53 @@ Every block size the kernels use is chosen here, from the shapes alone, so a
 kernel file holds no magic numbers. Why these values:
 
 * GEMV stages read each weight byte once; a task streams ``rows`` weight rows
-  of ``block_k`` columns at a time. 16-byte loads per thread want block_k a
-  multiple of 8 bf16 (or 32 MXFP4 nibbles, one scale group); enough tasks to
-  cover every SM several times want ``rows`` small (the o_proj at T = 8 has
-  7168 rows: 448 tasks of 16 rows).
-* Tokens are padded to ``tokens_pad`` (a power of two); from 16 tokens on the
-  GEMVs use the tensor cores (tl.dot needs 16 rows), below it CUDA-core FMAs.
-* Vector stages (reduces, norms, routing) work on one token per program and
-  loop over the hidden size in ``vector_block`` columns.
+  of ``block_k`` columns at a time, always along K (the contiguous dim), so a
+  thread's weight load is a 16-byte vector. Both tiles below put 8 KB of weight
+  in flight per program and step (4 warps, 64 bytes a thread), so a few
+  resident programs per SM cover the ~32 KB an SM needs to hide HBM latency.
+* Up to ``FMA_MAX_TOKENS`` tokens (the most kernels/gemv.py keeps FMA
+  accumulators for) the dense GEMVs run on CUDA-core FMAs: at 4 tokens that
+  is 4 FMAs per weight element, well under the FMA rate HBM can feed. The FMA
+  tile is 8 rows x 512 columns: few rows per task spread the stages with few
+  output rows (the router: E/T = 112 rows at T = 8) over more SMs. Above it
+  the tokens are padded to 16 (``tokens_pad``) and the GEMVs use tl.dot (the
+  tensor cores do the padded work for free, while 5 to 16 FMAs per weight
+  element would not keep up with HBM); tl.dot needs 16 rows, so that tile is
+  16 x 256.
+* ``rows`` (tasks = ceil(out / rows): the o_proj at T = 8 has 7168 rows, 896 FMA
+  tasks) and ``block_k`` never exceed the dims they cover (rounded up to a power
+  of two; masks handle the rest), except where tl.dot needs 16.
+* Vector stages loop over the hidden size in ``vector_block`` columns (8
+  fp32 a thread at 4 warps: two 16-byte loads per rank slot). The norms and
+  AttnRes need a whole row, so they take one token per program; the reduces
+  (AR1 + prefix, AR3) are elementwise and take one token's chunk of
+  ``vector_block`` columns per program (S * H / vector_block programs).
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
 
 from .config import MAX_TOKENS, MXFP4_GROUP, K3Config
+from .errors import K3InputError
+from .weights import shard_shapes
 
 DOT_MIN_TOKENS = 16
-"""tl.dot needs at least 16 rows in its first operand."""
+"""tl.dot needs at least 16 rows in its first operand (and 16 columns in its second)."""
+
+FMA_MAX_TOKENS = 4
+"""The most tokens the dense GEMVs serve with CUDA-core FMAs; above, tl.dot."""
+
+FMA_TILE = (8, 512)
+"""(rows, block_k) of a dense GEMV task on the FMA path: 8 KB of bf16 weight a step."""
+
+DOT_TILE = (16, 256)
+"""(rows, block_k) of a dense GEMV task on the tl.dot path: 8 KB of bf16 weight a step."""
 
 
 def next_pow2(n: int) -> int:
@@ -56,23 +85,722 @@ def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4) ->
     return GemvTile(rows=min(rows, next_pow2(out_dim)), block_k=min(block_k, next_pow2(in_dim)), warps=warps)
 
 
+def _dense(out_dim: int, in_dim: int, use_dot: bool) -> GemvTile:
+    """A dense bf16 GEMV tile for the path ``use_dot`` selects."""
+    if not use_dot:
+        return _gemv(FMA_TILE[0], out_dim, in_dim, FMA_TILE[1])
+    tile = _gemv(DOT_TILE[0], out_dim, in_dim, DOT_TILE[1])
+    return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
+
+
 def stage_geometry(cfg: K3Config, tp: int, tokens: int) -> StageGeometry:
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"stage_geometry: tokens must be 1..{MAX_TOKENS}, got {tokens}")
     H, C, E, L = cfg.hidden_size, cfg.core_width, cfg.num_experts, cfg.routed_expert_hidden_size
     I, SI = cfg.moe_intermediate_size, cfg.shared_intermediate
-    use_dot = tokens >= DOT_MIN_TOKENS
+    use_dot = tokens > FMA_MAX_TOKENS
     return StageGeometry(
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
-        oproj=_gemv(16, H, C // tp, 256),
-        router=_gemv(16, E // tp, H, 256),
-        latent_down=_gemv(16, L // tp, H, 256),
-        shared_gate_up=_gemv(16, SI // tp, H, 256),
-        final=_gemv(16, H, max(L, SI) // tp, 256),
-        expert_gate_up=_gemv(16, I // tp, L, 8 * MXFP4_GROUP),
-        expert_down=_gemv(16, L, I // tp, 4 * MXFP4_GROUP),
+        oproj=_dense(H, C // tp, use_dot),
+        router=_dense(E // tp, H, use_dot),
+        latent_down=_dense(L // tp, H, use_dot),
+        shared_gate_up=_dense(SI // tp, H, use_dot),
+        final=_dense(H, max(L, SI) // tp, use_dot),
+        # MXFP4 tiles [groups, rows] (kernels/experts.py): 16 groups put 16 lanes on
+        # consecutive 16-byte groups of a row and the 4 warps on rows, so each
+        # thread keeps one group column over rows / 8 rows and reuses its
+        # activations for each; down's input row is the K chosen experts' groups.
+        expert_gate_up=_gemv(32, I // tp, L, 16 * MXFP4_GROUP),
+        expert_down=_gemv(32, L, cfg.num_experts_per_token * I // tp, 16 * MXFP4_GROUP),
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
+    )
+
+
+# ===========================================================================
+# The mono launch: one persistent launch per layer walks a task table
+# ===========================================================================
+#
+# Every rank runs the SAME table (``plan`` takes no rank): ticket i is the same
+# task on every rank, only its rank offsets (which logits / z columns, which
+# peer slot) differ. CTAs take tickets from a global counter in table order and
+# grab the next one before starting the current one; a task issues its weight
+# loads (or L2 prefetch) before it polls its data waits.
+#
+# Invariant (``plan`` checks it, tests/test_planner.py proves no deadlock with
+# it): every wait's raisers have strictly lower tickets, on this rank and, for
+# peer flags, on every rank (same table, same ticket). Then the lowest
+# unfinished ticket of all ranks only waits for finished tasks, so any grid
+# size completes, and one program (the interpreter) walks the table in order.
+#
+# Table order (the dependency chain fixes the kinds' order; the freedom left is
+# used so weights stream while the exchanges settle):
+#
+#   OPROJ         all tiles first: no waits, 22 MB at T = 8 stream at once
+#   REDUCE1       AR1 per column tile: a tile reduces as soon as its o_proj
+#                 rows arrived from every rank, not after the whole o_proj
+#   SEAM          per token (needs all of H); cheap, on the critical path
+#   ROUTER        critical path (logits -> route -> experts): first
+#   LATENT_DOWN   next (z gates the experts)
+#   SHARED_GU     last of the three: only FINAL needs it. All three issue their
+#                 weights before waiting X_READY, so they stream during the
+#                 AR1 + seam chain
+#   ROUTE         per token, after every rank's router rows
+#   EXPERT_GU     token-major, then slot, then tile: ACT[0] completes first
+#   EXPERT_DOWN   token-major, AFTER every EXPERT_GU (not interleaved per token:
+#                 interleaving would leave CTAs idle at every token boundary,
+#                 waiting for that token's last gate/up tile; grouped, ACT[t]
+#                 is long complete when EXPERT_DOWN(t) is taken). Its w2 loads
+#                 wait only for ROUTED (the expert ids), not for ACT
+#   PREFETCH_FINAL (option) FINAL's weights into L2 while the AR2 chain settles
+#   LATENT_NORM   per token, all together at the end: each waits for every
+#                 rank's down-projection of its token; interleaving them with
+#                 EXPERT_DOWN would block CTAs mid-phase for no gain (the last
+#                 token's chain is the critical path either way)
+#   FINAL         latent up + shared down; its weights are issued before its
+#                 waits, so the first CTAs there stream while AR2 settles
+#   REDUCE3       AR3 per column tile, as REDUCE1
+#
+# Flags are counters, indexed at the CONSUMER's granularity (a consumer polls
+# one word per wait, at most MAX_WAITS waits a task). They are never cleared:
+# a launch of epoch e (1, 2, ...) waits until word >= e * count, every launch
+# raises each flag exactly ``count`` times (tested). Peer flags are raised on
+# every rank (the push goes with its data), local flags on the own rank only.
+# The words are int32 and grow by ``count`` a launch (AR2's is the largest,
+# T * L / 16 = 1792 at T = 8):
+# compare as int32(word - target) >= 0, right across the wrap while no waiter
+# lags 2^31 raises behind.
+
+REDUCE_TILE_COLS = 128
+"""Columns of H a REDUCE1 / REDUCE3 task sums over the ranks (rounded up to a
+whole number of its producer's row tiles). The seed's reduce ran on 56 CTAs
+at H = 7168: 128 columns, enough tasks to spread the AR1 reduction over a
+third of an H200 while each task still reads T * S * 512 contiguous bytes."""
+
+MAX_WAITS = 2
+"""Waits a task may carry: the int table has this many wait column pairs."""
+
+OPT_PREFETCH_FINAL = 1 << 0
+
+
+class TaskKind(enum.IntEnum):
+    """Task kinds; the value is the kind code of the int table (build-key stable)."""
+
+    OPROJ = 0
+    REDUCE1 = 1
+    SEAM = 2
+    ROUTER = 3
+    LATENT_DOWN = 4
+    SHARED_GU = 5
+    ROUTE = 6
+    EXPERT_GU = 7
+    EXPERT_DOWN = 8
+    PREFETCH_FINAL = 9
+    LATENT_NORM = 10
+    FINAL = 11
+    REDUCE3 = 12
+
+
+class Flag(enum.IntEnum):
+    """Flag kinds; each has ``flag_slots`` words in a rank's flag array."""
+
+    AR1 = 0  # [reduce1 tile]  o_proj partial rows arrived      (peer)
+    P_READY = 1  # [1]         prefix columns reduced
+    X_READY = 2  # [1]         x rows written
+    LOGITS = 3  # [1]          router logits columns arrived     (peer)
+    Z = 4  # [1]               latent z columns arrived          (peer)
+    SHARED_READY = 5  # [1]    shared activations written
+    ROUTED = 6  # [token]      route ids / weights written
+    ACT = 7  # [token]         expert activations written
+    AR2 = 8  # [token]         expert down partial rows arrived (peer)
+    LATENT_READY = 9  # [1]    latent norm written
+    AR3 = 10  # [reduce3 tile] final partial rows arrived        (peer)
+
+
+PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
+"""Flags raised on every rank (they travel with a push into peer regions)."""
+
+
+@dataclass(frozen=True)
+class MonoOptions:
+    """Options of the mono launch.
+
+    prefetch_final (a build-key bit, ``bits()``): add PREFETCH_FINAL tasks that
+    pull FINAL's weights into L2 right after the expert down-projections, so
+    HBM streams them while the AR2 -> latent norm chain settles; FINAL then
+    reads them from L2.
+    ctas_per_sm (launch only, not in ``bits()``): resident CTAs an SM is given.
+    One program of the GEMV geometry keeps one tile step (8 KB) in flight and an
+    SM wants about 32 KB, so more than one may pay; the benchmark decides. It
+    never risks a deadlock: a CTA that is not resident holds no ticket.
+    """
+
+    prefetch_final: bool = False
+    ctas_per_sm: int = 1
+
+    def bits(self) -> int:
+        return OPT_PREFETCH_FINAL if self.prefetch_final else 0
+
+    @classmethod
+    def from_bits(cls, bits: int, ctas_per_sm: int = 1) -> "MonoOptions":
+        if bits & ~OPT_PREFETCH_FINAL:
+            raise K3InputError(f"options: unknown option bits {bits & ~OPT_PREFETCH_FINAL:#x}")
+        return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm)
+
+
+@dataclass(frozen=True)
+class Wait:
+    flag: Flag
+    index: int
+    count: int  # raises per launch that complete it (the epoch-e target is e * count)
+    sources: tuple[int, ...]  # tickets of the raising tasks (the same on every rank)
+    before_loads: bool = False  # the task's weight addresses depend on it (expert ids)
+
+
+@dataclass(frozen=True)
+class Raise:
+    flag: Flag
+    index: int
+
+    @property
+    def every_rank(self) -> bool:
+        return self.flag in PEER_FLAGS
+
+
+@dataclass(frozen=True)
+class Task:
+    """One ticket. ``span`` is the [start, stop) range of the kind's tiled axis
+    (output rows of a GEMV, columns of a reduce; (0, 0) for per-token kinds);
+    ``tile`` its tile number; ``token`` / ``slot`` -1 where they do not apply.
+    ``streams``: (weight tensor, bytes) this task is the first to read from HBM."""
+
+    ticket: int
+    kind: TaskKind
+    tile: int = -1
+    span: tuple[int, int] = (0, 0)
+    token: int = -1
+    slot: int = -1
+    streams: tuple[tuple[str, int], ...] = ()
+    waits: tuple[Wait, ...] = ()
+    raises: tuple[Raise, ...] = ()
+
+    @property
+    def weights(self) -> dict[str, int]:
+        return dict(self.streams)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(n for _, n in self.streams)
+
+    def row(self) -> "TaskRow":
+        """The fields the int table encodes (what ``decode_int_tensor`` gives back)."""
+        raised = self.raises[0] if self.raises else None
+        return TaskRow(
+            kind=self.kind,
+            tile=self.tile,
+            span=self.span,
+            token=self.token,
+            slot=self.slot,
+            waits=tuple((w.flag, w.index, w.count, w.before_loads) for w in self.waits),
+            raised=(raised.flag, raised.index) if raised else None,
+            weight_bytes=self.weight_bytes,
+        )
+
+
+class TaskRow(NamedTuple):
+    kind: TaskKind
+    tile: int
+    span: tuple[int, int]
+    token: int
+    slot: int
+    waits: tuple  # ((flag, index, count, before_loads), ...)
+    raised: tuple | None  # (flag, index)
+    weight_bytes: int
+
+
+class Write(NamedTuple):
+    """Elements a task writes: ``index`` (slices) of ``region``, on every rank's
+    copy of it (a push into peer regions) or on the own rank's only."""
+
+    region: str
+    every_rank: bool
+    index: tuple
+
+
+# -- int table columns ---------------------------------------------------------
+
+TABLE_COLUMNS = (
+    "kind",  # TaskKind code
+    "tile",  # tile number of the kind's tiled axis (-1: per-token kind)
+    "start",  # first row / column of the tile
+    "stop",  # one past its last
+    "token",  # -1 where the kind is not per token
+    "slot",  # routed slot 0..K-1 (EXPERT_GU), else -1
+    "num_waits",
+    "addr_waits",  # the first addr_waits waits gate the weight addresses: poll, load, poll the rest
+    *(f"wait{i}_{part}" for i in range(MAX_WAITS) for part in ("word", "count")),
+    "raise_word",  # -1: raises nothing
+    "raise_peer",  # 1: raise on every rank (after the push), 0: own rank
+    "weight_bytes",  # bytes of weights the task streams from HBM (accounting / tracing)
+)
+"""Columns of ``TaskTable.as_int_tensor()`` (int32, one row a ticket). A wait is
+(flag word, count): poll word until it reaches epoch * count. Flag words index
+the rank's flag array (``TaskTable.flag_base``); absent waits are (-1, 0)."""
+
+COL = {name: i for i, name in enumerate(TABLE_COLUMNS)}
+NO_WORD = -1
+
+
+class PlanSummary(NamedTuple):
+    tasks: int
+    ctas: int
+    tasks_per_kind: dict
+    weight_bytes: int
+    weights_by_tensor: dict
+    waits: int
+
+
+class TaskGroup(NamedTuple):
+    """A maximal run of consecutive tickets of one kind."""
+
+    kind: TaskKind
+    tasks: tuple
+
+
+@dataclass(frozen=True)
+class TaskTable:
+    cfg: K3Config
+    tp: int
+    tokens: int
+    sms: int
+    options: MonoOptions
+    geometry: StageGeometry
+    reduce1_cols: int
+    reduce3_cols: int
+    tasks: tuple[Task, ...]
+    ctas: int
+    flag_slots: tuple[tuple[Flag, int], ...]  # flag array layout, in Flag order
+
+    # -- flag array ------------------------------------------------------------
+    def flag_base(self, flag: Flag) -> int:
+        base = 0
+        for f, slots in self.flag_slots:
+            if f == flag:
+                return base
+            base += slots
+        raise KeyError(flag)
+
+    @property
+    def num_flag_words(self) -> int:
+        return sum(slots for _, slots in self.flag_slots)
+
+    def flag_word(self, flag: Flag, index: int) -> int:
+        slots = dict(self.flag_slots)[flag]
+        if not 0 <= index < slots:
+            raise IndexError(f"{flag.name}[{index}]: {slots} slots")
+        return self.flag_base(flag) + index
+
+    def flag_of_word(self, word: int) -> tuple[Flag, int]:
+        base = 0
+        for f, slots in self.flag_slots:
+            if word < base + slots:
+                return f, word - base
+            base += slots
+        raise IndexError(f"flag word {word}: the array has {base}")
+
+    # -- views -----------------------------------------------------------------
+    def summary(self) -> PlanSummary:
+        per_kind, by_tensor = {}, {}
+        for task in self.tasks:
+            per_kind[task.kind] = per_kind.get(task.kind, 0) + 1
+            for name, nbytes in task.streams:
+                by_tensor[name] = by_tensor.get(name, 0) + nbytes
+        return PlanSummary(
+            tasks=len(self.tasks),
+            ctas=self.ctas,
+            tasks_per_kind=per_kind,
+            weight_bytes=sum(by_tensor.values()),
+            weights_by_tensor=by_tensor,
+            waits=sum(len(t.waits) for t in self.tasks),
+        )
+
+    def groups(self) -> list[TaskGroup]:
+        out: list[TaskGroup] = []
+        run: list[Task] = []
+        for task in self.tasks:
+            if run and task.kind != run[-1].kind:
+                out.append(TaskGroup(run[-1].kind, tuple(run)))
+                run = []
+            run.append(task)
+        if run:
+            out.append(TaskGroup(run[-1].kind, tuple(run)))
+        return out
+
+    # -- the kernel's encoding -------------------------------------------------
+    def as_int_tensor(self) -> torch.Tensor:
+        """int32 [num_tasks, len(TABLE_COLUMNS)], row i = ticket i (see TABLE_COLUMNS)."""
+        rows = [self._encode(task) for task in self.tasks]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), len(TABLE_COLUMNS))
+
+    def _encode(self, task: Task) -> list[int]:
+        if len(task.raises) > 1:
+            raise AssertionError(f"ticket {task.ticket}: the int table holds one raise a task")
+        row = [0] * len(TABLE_COLUMNS)
+        row[COL["kind"]] = int(task.kind)
+        row[COL["tile"]] = task.tile
+        row[COL["start"]], row[COL["stop"]] = task.span
+        row[COL["token"]] = task.token
+        row[COL["slot"]] = task.slot
+        row[COL["num_waits"]] = len(task.waits)
+        row[COL["addr_waits"]] = sum(w.before_loads for w in task.waits)
+        for i in range(MAX_WAITS):
+            word, count = (NO_WORD, 0)
+            if i < len(task.waits):
+                wait = task.waits[i]
+                word, count = self.flag_word(wait.flag, wait.index), wait.count
+            row[COL[f"wait{i}_word"]], row[COL[f"wait{i}_count"]] = word, count
+        raised = task.raises[0] if task.raises else None
+        row[COL["raise_word"]] = self.flag_word(raised.flag, raised.index) if raised else NO_WORD
+        row[COL["raise_peer"]] = int(bool(raised and raised.every_rank))
+        row[COL["weight_bytes"]] = task.weight_bytes
+        return row
+
+    def decode_int_tensor(self, table: torch.Tensor) -> list[TaskRow]:
+        """The rows of ``as_int_tensor()`` back as TaskRows (its inverse)."""
+        rows = []
+        for values in table.tolist():
+            v = dict(zip(TABLE_COLUMNS, values))
+            waits = []
+            for i in range(v["num_waits"]):
+                flag, index = self.flag_of_word(v[f"wait{i}_word"])
+                waits.append((flag, index, v[f"wait{i}_count"], i < v["addr_waits"]))
+            raised = self.flag_of_word(v["raise_word"]) if v["raise_word"] != NO_WORD else None
+            rows.append(
+                TaskRow(
+                    kind=TaskKind(v["kind"]),
+                    tile=v["tile"],
+                    span=(v["start"], v["stop"]),
+                    token=v["token"],
+                    slot=v["slot"],
+                    waits=tuple(waits),
+                    raised=raised,
+                    weight_bytes=v["weight_bytes"],
+                )
+            )
+        return rows
+
+    # -- what each task writes ---------------------------------------------------
+    def writes(self, task: Task, rank: int) -> list[Write]:
+        """Elements ``task`` writes when rank ``rank`` runs it. Regions are the
+        names of layout.py (peer: ar1 logits z ar2 ar3; scratch: x route_ids
+        route_w expert_act latent shared_act) and the launch's ``prefix`` / ``out``."""
+        return _WRITES[task.kind](self, task, rank)
+
+
+def _all_rows(lo: int, hi: int) -> tuple:
+    return (slice(None), slice(lo, hi))
+
+
+def _rank_cols(table: TaskTable, task: Task, rank: int, full: int) -> slice:
+    """Columns of an all-gathered [S, full] region that rank ``rank``'s rows land in."""
+    base = rank * (full // table.tp)
+    return slice(base + task.span[0], base + task.span[1])
+
+
+_WRITES = {
+    TaskKind.OPROJ: lambda tb, t, r: [Write("ar1", True, (r, slice(None), slice(*t.span)))],
+    TaskKind.REDUCE1: lambda tb, t, r: [Write("prefix", False, _all_rows(*t.span))],
+    TaskKind.SEAM: lambda tb, t, r: [Write("x", False, (t.token,))],
+    TaskKind.ROUTER: lambda tb, t, r: [
+        Write("logits", True, (slice(None), _rank_cols(tb, t, r, tb.cfg.num_experts)))
+    ],
+    TaskKind.LATENT_DOWN: lambda tb, t, r: [
+        Write("z", True, (slice(None), _rank_cols(tb, t, r, tb.cfg.routed_expert_hidden_size)))
+    ],
+    TaskKind.SHARED_GU: lambda tb, t, r: [Write("shared_act", False, _all_rows(*t.span))],
+    TaskKind.ROUTE: lambda tb, t, r: [Write("route_ids", False, (t.token,)), Write("route_w", False, (t.token,))],
+    TaskKind.EXPERT_GU: lambda tb, t, r: [Write("expert_act", False, (t.token, t.slot, slice(*t.span)))],
+    TaskKind.EXPERT_DOWN: lambda tb, t, r: [Write("ar2", True, (r, t.token, slice(*t.span)))],
+    TaskKind.PREFETCH_FINAL: lambda tb, t, r: [],
+    TaskKind.LATENT_NORM: lambda tb, t, r: [Write("latent", False, (t.token,))],
+    TaskKind.FINAL: lambda tb, t, r: [Write("ar3", True, (r, slice(None), slice(*t.span)))],
+    TaskKind.REDUCE3: lambda tb, t, r: [Write("out", False, _all_rows(*t.span))],
+}
+
+
+# -- planning --------------------------------------------------------------------
+
+
+def tiles(extent: int, rows: int) -> list[tuple[int, int, int]]:
+    """(tile, start, stop) covering [0, extent) in steps of ``rows`` (the last may be short)."""
+    return [(i, lo, min(lo + rows, extent)) for i, lo in enumerate(range(0, extent, rows))]
+
+
+def reduce_tile_cols(producer_rows: int) -> int:
+    """A reduce tile holds whole producer tiles, so each producer raises one flag."""
+    return math.ceil(REDUCE_TILE_COLS / producer_rows) * producer_rows
+
+
+class _WaitSpec(NamedTuple):
+    flag: Flag
+    index: int
+    count: int
+    before_loads: bool = False
+
+
+class _TaskSpec(NamedTuple):
+    kind: TaskKind
+    tile: int
+    span: tuple[int, int]
+    token: int
+    slot: int
+    streams: tuple
+    waits: tuple
+    raises: tuple
+
+
+class _Planner:
+    """Appends the kinds' tasks in table order (see the order above)."""
+
+    def __init__(self, cfg: K3Config, tp: int, tokens: int, geometry: StageGeometry, options: MonoOptions):
+        self.cfg, self.tp, self.S, self.g, self.options = cfg, tp, tokens, geometry, options
+        self.K = cfg.num_experts_per_token
+        self.shapes = shard_shapes(cfg, tp)
+        self.reduce1_cols = reduce_tile_cols(geometry.oproj.rows)
+        self.reduce3_cols = reduce_tile_cols(geometry.final.rows)
+        self.specs: list[_TaskSpec] = []
+        self._streams: dict = {}
+        H = cfg.hidden_size
+        self.oproj_tiles = tiles(H, geometry.oproj.rows)
+        self.reduce1_tiles = tiles(H, self.reduce1_cols)
+        self.router_tiles = tiles(cfg.num_experts // tp, geometry.router.rows)
+        self.latent_tiles = tiles(cfg.routed_expert_hidden_size // tp, geometry.latent_down.rows)
+        self.shared_tiles = tiles(cfg.shared_intermediate // tp, geometry.shared_gate_up.rows)
+        self.gate_up_tiles = tiles(cfg.moe_intermediate_size // tp, geometry.expert_gate_up.rows)
+        self.down_tiles = tiles(cfg.routed_expert_hidden_size, geometry.expert_down.rows)
+        self.final_tiles = tiles(H, geometry.final.rows)
+        self.reduce3_tiles = tiles(H, self.reduce3_cols)
+
+    # -- weight bytes --------------------------------------------------------------
+    def _row_bytes(self, name: str) -> int:
+        """Bytes of one output row of a row-tiled weight ([rows, in] or [E, rows, in])."""
+        shape, dtype = self.shapes[name]
+        return shape[-1] * dtype.itemsize
+
+    def _whole_bytes(self, name: str) -> int:
+        shape, dtype = self.shapes[name]
+        return math.prod(shape) * dtype.itemsize
+
+    def _rows(self, names, lo: int, hi: int, experts: int = 1) -> tuple:
+        key = (tuple(names), hi - lo, experts)
+        if key not in self._streams:  # thousands of tasks share a handful of tile shapes
+            self._streams[key] = tuple((name, experts * (hi - lo) * self._row_bytes(name)) for name in names)
+        return self._streams[key]
+
+    def _vectors_once(self, token: int, names) -> tuple:
+        """Small whole vectors every task of a per-token kind reads: token 0's task
+        streams them from HBM, the others find them in L2."""
+        return tuple((name, self._whole_bytes(name)) for name in names) if token == 0 else ()
+
+    def add(self, kind, *, tile=-1, span=(0, 0), token=-1, slot=-1, streams=(), waits=(), raises=()):
+        self.specs.append(_TaskSpec(kind, tile, span, token, slot, tuple(streams), tuple(waits), tuple(raises)))
+
+    # -- the kinds, in table order -------------------------------------------------
+    def oproj(self):
+        for tile, lo, hi in self.oproj_tiles:
+            self.add(TaskKind.OPROJ, tile=tile, span=(lo, hi), streams=self._rows(["o_proj"], lo, hi),
+                     raises=[(Flag.AR1, lo // self.reduce1_cols)])
+
+    def reduce1(self):
+        for tile, lo, hi in self.reduce1_tiles:
+            producers = math.ceil((hi - lo) / self.g.oproj.rows)
+            self.add(TaskKind.REDUCE1, tile=tile, span=(lo, hi),
+                     waits=[_WaitSpec(Flag.AR1, tile, self.tp * producers)], raises=[(Flag.P_READY, 0)])
+
+    def seam(self):
+        for token in range(self.S):
+            self.add(TaskKind.SEAM, token=token,
+                     streams=self._vectors_once(token, ["ares_norm", "ares_proj", "post_norm"]),
+                     waits=[_WaitSpec(Flag.P_READY, 0, len(self.reduce1_tiles))], raises=[(Flag.X_READY, 0)])
+
+    def _x_gemv(self, kind, tile_list, names, flag):
+        for tile, lo, hi in tile_list:
+            self.add(kind, tile=tile, span=(lo, hi), streams=self._rows(names, lo, hi),
+                     waits=[_WaitSpec(Flag.X_READY, 0, self.S)], raises=[(flag, 0)])
+
+    def router(self):
+        self._x_gemv(TaskKind.ROUTER, self.router_tiles, ["router"], Flag.LOGITS)
+
+    def latent_down(self):
+        self._x_gemv(TaskKind.LATENT_DOWN, self.latent_tiles, ["latent_down"], Flag.Z)
+
+    def shared_gate_up(self):
+        self._x_gemv(TaskKind.SHARED_GU, self.shared_tiles, ["shared_gate", "shared_up"], Flag.SHARED_READY)
+
+    def route(self):
+        for token in range(self.S):
+            self.add(TaskKind.ROUTE, token=token, streams=self._vectors_once(token, ["router_bias"]),
+                     waits=[_WaitSpec(Flag.LOGITS, 0, self.tp * len(self.router_tiles))],
+                     raises=[(Flag.ROUTED, token)])
+
+    def expert_gate_up(self):
+        names = ["w1_packed", "w1_scale", "w3_packed", "w3_scale"]
+        z_arrived = _WaitSpec(Flag.Z, 0, self.tp * len(self.latent_tiles))
+        for token in range(self.S):
+            waits = (_WaitSpec(Flag.ROUTED, token, 1, before_loads=True), z_arrived)  # shared by the token's tasks
+            raises = ((Flag.ACT, token),)
+            for slot in range(self.K):
+                for tile, lo, hi in self.gate_up_tiles:
+                    self.add(TaskKind.EXPERT_GU, tile=tile, span=(lo, hi), token=token, slot=slot,
+                             streams=self._rows(names, lo, hi), waits=waits, raises=raises)
+
+    def expert_down(self):
+        act_count = self.K * len(self.gate_up_tiles)
+        for token in range(self.S):
+            waits = (_WaitSpec(Flag.ROUTED, token, 1, before_loads=True), _WaitSpec(Flag.ACT, token, act_count))
+            raises = ((Flag.AR2, token),)
+            for tile, lo, hi in self.down_tiles:
+                self.add(TaskKind.EXPERT_DOWN, tile=tile, span=(lo, hi), token=token,
+                         streams=self._rows(["w2_packed", "w2_scale"], lo, hi, experts=self.K),
+                         waits=waits, raises=raises)
+
+    def prefetch_final(self):
+        if not self.options.prefetch_final:
+            return
+        for tile, lo, hi in self.final_tiles:
+            self.add(TaskKind.PREFETCH_FINAL, tile=tile, span=(lo, hi),
+                     streams=self._rows(["latent_up", "shared_down"], lo, hi))
+
+    def latent_norm(self):
+        for token in range(self.S):
+            self.add(TaskKind.LATENT_NORM, token=token, streams=self._vectors_once(token, ["latent_norm"]),
+                     waits=[_WaitSpec(Flag.AR2, token, self.tp * len(self.down_tiles))],
+                     raises=[(Flag.LATENT_READY, 0)])
+
+    def final(self):
+        for tile, lo, hi in self.final_tiles:
+            streams = () if self.options.prefetch_final else self._rows(["latent_up", "shared_down"], lo, hi)
+            # SHARED_READY first: it completed long ago, LATENT_READY is the late one
+            self.add(TaskKind.FINAL, tile=tile, span=(lo, hi), streams=streams,
+                     waits=[_WaitSpec(Flag.SHARED_READY, 0, len(self.shared_tiles)),
+                            _WaitSpec(Flag.LATENT_READY, 0, self.S)],
+                     raises=[(Flag.AR3, lo // self.reduce3_cols)])
+
+    def reduce3(self):
+        for tile, lo, hi in self.reduce3_tiles:
+            producers = math.ceil((hi - lo) / self.g.final.rows)
+            self.add(TaskKind.REDUCE3, tile=tile, span=(lo, hi),
+                     waits=[_WaitSpec(Flag.AR3, tile, self.tp * producers)])
+
+    def in_table_order(self) -> list[_TaskSpec]:
+        for step in (self.oproj, self.reduce1, self.seam, self.router, self.latent_down, self.shared_gate_up,
+                     self.route, self.expert_gate_up, self.expert_down, self.prefetch_final, self.latent_norm,
+                     self.final, self.reduce3):
+            step()
+        return self.specs
+
+    def flag_slots(self) -> tuple[tuple[Flag, int], ...]:
+        per_token = self.S
+        slots = {
+            Flag.AR1: len(self.reduce1_tiles),
+            Flag.P_READY: 1,
+            Flag.X_READY: 1,
+            Flag.LOGITS: 1,
+            Flag.Z: 1,
+            Flag.SHARED_READY: 1,
+            Flag.ROUTED: per_token,
+            Flag.ACT: per_token,
+            Flag.AR2: per_token,
+            Flag.LATENT_READY: 1,
+            Flag.AR3: len(self.reduce3_tiles),
+        }
+        return tuple((flag, slots[flag]) for flag in Flag)
+
+
+def _ticketed(specs: list[_TaskSpec]) -> tuple[Task, ...]:
+    """Tickets in list order; each wait's sources are the tickets raising its flag."""
+    raisers: dict[tuple[Flag, int], list[int]] = {}
+    for ticket, spec in enumerate(specs):
+        for flag, index in spec.raises:
+            raisers.setdefault((flag, index), []).append(ticket)
+    sources = {key: tuple(tickets) for key, tickets in raisers.items()}  # shared, not copied per wait
+    waits_of: dict = {}  # the tasks of one token share their waits and raises
+    raises_of: dict = {}
+    tasks = []
+    for ticket, spec in enumerate(specs):
+        if spec.waits not in waits_of:
+            waits_of[spec.waits] = tuple(
+                Wait(w.flag, w.index, w.count, sources.get((w.flag, w.index), ()), w.before_loads) for w in spec.waits
+            )
+        if spec.raises not in raises_of:
+            raises_of[spec.raises] = tuple(Raise(flag, index) for flag, index in spec.raises)
+        tasks.append(
+            Task(ticket, spec.kind, spec.tile, spec.span, spec.token, spec.slot, spec.streams,
+                 waits_of[spec.waits], raises_of[spec.raises])
+        )
+    return tuple(tasks)
+
+
+def _check_invariant(tasks: tuple[Task, ...]) -> None:
+    """Every wait's raisers precede it: the table cannot deadlock (a planner bug otherwise)."""
+    last_source = {}  # the sources tuples are shared: one max each
+    for task in tasks:
+        for wait in task.waits:
+            key = id(wait.sources)
+            if key not in last_source:
+                last_source[key] = max(wait.sources, default=len(tasks))
+            if last_source[key] >= task.ticket:
+                raise AssertionError(
+                    f"planner: ticket {task.ticket} ({task.kind.name}) waits {wait.flag.name}[{wait.index}] "
+                    f"raised by tickets {wait.sources[:8]}: not all lower"
+                )
+        if len(task.waits) > MAX_WAITS:
+            raise AssertionError(f"planner: ticket {task.ticket} has {len(task.waits)} waits, at most {MAX_WAITS}")
+
+
+def cta_count(num_tasks: int, sms: int, ctas_per_sm: int = 1) -> int:
+    """``ctas_per_sm`` CTAs an SM (persistent: each walks tickets until none is
+    left), never more CTAs than tickets: an extra CTA would find none."""
+    return min(num_tasks, sms * ctas_per_sm)
+
+
+def _validate(cfg: K3Config, tp: int, tokens: int, sms: int, options) -> None:
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
+        raise K3InputError(f"tokens: expected an integer in 1..{MAX_TOKENS}, got {tokens!r}")
+    if not is_int(tp):
+        raise K3InputError(f"tp: expected an integer, got {tp!r}")
+    cfg.validate_tp(tp)
+    if not is_int(sms) or sms < 1:
+        raise K3InputError(f"sms: expected a positive integer (SMs or CUs of the device), got {sms!r}")
+    if not isinstance(options, MonoOptions):
+        raise K3InputError(f"options: expected MonoOptions, got {type(options).__name__}")
+    if not is_int(options.ctas_per_sm) or options.ctas_per_sm < 1:
+        raise K3InputError(f"options.ctas_per_sm: expected a positive integer, got {options.ctas_per_sm!r}")
+
+
+def plan(cfg: K3Config, tp: int, tokens: int, sms: int, options: MonoOptions | None = None) -> TaskTable:
+    """The task table of one rank's mono launch (every rank runs the same one)."""
+    options = MonoOptions() if options is None else options
+    _validate(cfg, tp, tokens, sms, options)
+    geometry = stage_geometry(cfg, tp, tokens)
+    planner = _Planner(cfg, tp, tokens, geometry, options)
+    tasks = _ticketed(planner.in_table_order())
+    _check_invariant(tasks)
+    return TaskTable(
+        cfg=cfg,
+        tp=tp,
+        tokens=tokens,
+        sms=sms,
+        options=options,
+        geometry=geometry,
+        reduce1_cols=planner.reduce1_cols,
+        reduce3_cols=planner.reduce3_cols,
+        tasks=tasks,
+        ctas=cta_count(len(tasks), sms, options.ctas_per_sm),
+        flag_slots=planner.flag_slots(),
     )

@@ -23,7 +23,7 @@ from .errors import K3InputError
 from .reference import layer_post, layer_post_tp
 from .weights import LayerWeights, shard_all
 
-IMPLS = ("reference",)
+IMPLS = ("reference", "staged")
 
 
 def prepare_device(device: str) -> torch.device:
@@ -98,7 +98,7 @@ error against the float64 oracle."""
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.double()
-    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+    return ((got.to(want.device).double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
 class Oracle:
@@ -118,8 +118,9 @@ class Oracle:
         self.prefix_budget = BUDGET_FACTOR * rel_err(self.reference.prefix, exact.prefix)
 
     def judge(self, outputs: dict) -> Comparison:
-        routes_identical = torch.equal(outputs["route_ids"].cpu(), self.reference.route_ids)
-        exact = layer_post(**self.args, mode="oracle", forced_routes=outputs["route_ids"].cpu())
+        route_ids = outputs["route_ids"].to(self.reference.route_ids.device)
+        routes_identical = torch.equal(route_ids, self.reference.route_ids)
+        exact = layer_post(**self.args, mode="oracle", forced_routes=route_ids)
         return Comparison(
             moe_err=rel_err(outputs["moe_out"], exact.moe_out),
             moe_budget=self.moe_budget,

@@ -132,3 +132,39 @@ def make_checkpoint(
     cfg = preset(preset_name)
     write_checkpoint(ckpt_dir, cfg, {layer: random_layer(cfg, seed + layer) for layer in layers}, shard_bytes)
     return cfg
+
+
+E2M1_RMS = math.sqrt(sum(v * v for v in mxfp4.E2M1_MAGNITUDES) / len(mxfp4.E2M1_MAGNITUDES))
+"""RMS of a uniformly random E2M1 code: sets the scale byte for a target weight RMS."""
+
+
+def random_shard(cfg: K3Config, tp: int, seed: int, device) -> LayerWeights:
+    """One rank's shard of random weights made directly on ``device`` (the
+    benchmarks' full-size layers: quantising 15 GB of experts on the CPU would
+    take minutes). MXFP4 codes are uniform and each group's scale byte is
+    picked around the one that gives N(0, 1/sqrt(fan_in))-like magnitudes; at
+    tp = 1 it is a whole layer, and ``shard`` cuts it like a loaded one."""
+    from .weights import shard_shapes
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    fan_in = {
+        "w1_scale": cfg.routed_expert_hidden_size,
+        "w3_scale": cfg.routed_expert_hidden_size,
+        "w2_scale": cfg.moe_intermediate_size,
+    }
+    tensors = {}
+    for name, (shape, dtype) in shard_shapes(cfg, tp).items():
+        if name.endswith("_packed"):
+            tensors[name] = torch.randint(0, 256, shape, generator=g, device=device, dtype=U8)
+        elif name.endswith("_scale"):
+            centre = round(mxfp4.E8M0_BIAS + math.log2(1 / (math.sqrt(fan_in[name]) * E2M1_RMS)))
+            tensors[name] = torch.randint(centre - 1, centre + 2, shape, generator=g, device=device, dtype=U8)
+        elif name in ("ares_norm", "post_norm", "latent_norm"):
+            tensors[name] = (1 + 0.1 * torch.randn(shape, generator=g, device=device)).to(BF16)
+        elif name == "router_bias":
+            tensors[name] = 0.05 * torch.randn(shape, generator=g, device=device)
+        elif name == "ares_proj":
+            tensors[name] = (torch.randn(shape, generator=g, device=device) / math.sqrt(shape[0])).to(BF16)
+        else:
+            tensors[name] = (torch.randn(shape, generator=g, device=device) / math.sqrt(shape[-1])).to(BF16)
+    return LayerWeights(tp=tp, rank=0, **tensors)

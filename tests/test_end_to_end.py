@@ -173,7 +173,7 @@ def run_cli(folder, layer, tokens, impl, tp, seed):
     return {k: v.double().numpy() for k, v in inputs.items()}, load_file(str(path_out))
 
 
-@pytest.mark.parametrize("impl", ["reference"])
+@pytest.mark.parametrize("impl", ["reference", "staged"])
 @pytest.mark.parametrize("layer", LAYERS)
 def test_run_matches_independent_float64(foreign, layer, impl):
     folder, arrays = foreign

@@ -3,6 +3,13 @@
 The CPU interpreter (TRITON_INTERPRET=1) multiplies bf16 bit patterns in
 tl.dot, so interpreter builds upcast dot operands to fp32 first
 (``UPCAST_DOT``); compiled builds feed bf16 to the tensor cores.
+
+The interpreter (Triton 3.6) also converts between fp32 and bf16 wrongly:
+``x.to(tl.bfloat16)`` truncates instead of rounding to nearest even, and the
+bf16 -> fp32 upcast mangles subnormals. Every bf16 rounding of k3-math.md must
+be bit-exact, so kernels convert through ``to_bf16`` / ``as_f32``: integer bit
+arithmetic in interpreter builds (``BF16_BY_BITS``), the hardware conversion
+(cvt.rn, already round-to-nearest-even) in compiled ones.
 """
 
 from __future__ import annotations
@@ -14,13 +21,50 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 UPCAST_DOT = INTERPRET
+BF16_BY_BITS = tl.constexpr(INTERPRET)
+
+_BF16_SHIFT = tl.constexpr(16)  # a bf16 is the high half of an fp32
+_BF16_HALF_ULP = tl.constexpr(0x7FFF)  # round-to-nearest: half an ulp, less one, plus the odd bit
+_F32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+_BF16_QUIET_BIT = tl.constexpr(0x40)  # keeps a NaN a NaN when its payload sits in the low half
+
+
+@triton.jit
+def to_bf16(x):
+    """bf16(x), round to nearest even (x fp32); NaN stays NaN."""
+    if BF16_BY_BITS:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        odd = (bits >> _BF16_SHIFT) & 1
+        rounded = (bits + _BF16_HALF_ULP + odd) >> _BF16_SHIFT
+        is_nan = (bits & _F32_ABS_MASK) > _F32_INF_BITS
+        rounded = tl.where(is_nan, (bits >> _BF16_SHIFT) | _BF16_QUIET_BIT, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def as_f32(x):
+    """x as fp32, exactly (x bf16 or fp32)."""
+    if BF16_BY_BITS and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << _BF16_SHIFT).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def rsqrt_rn(x):
+    """1 / sqrt(x), both steps correctly rounded: closer to torch.rsqrt than the
+    hardware approximation; norms call it once per token, so the cost is nil."""
+    return tl.div_rn(1.0, tl.sqrt_rn(x))
 
 
 @triton.jit
 def dot_acc(a, b, acc, UPCAST: tl.constexpr):
     """acc + a @ b with fp32 accumulation: a [M, K], b [K, N] (bf16 or fp32)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return tl.dot(as_f32(a), as_f32(b), acc)
     return tl.dot(a, b, acc)
 
 

@@ -165,7 +165,7 @@ def routed_experts(
     chosen experts are dequantised.
     """
     lw = layer_weights
-    acc = torch.zeros(z.shape[0], lw.w2_packed.shape[1], dtype=num.dtype)
+    acc = torch.zeros(z.shape[0], lw.w2_packed.shape[1], dtype=num.dtype, device=z.device)
     for expert in torch.unique(ids).tolist():
         tokens, slots = (ids == expert).nonzero(as_tuple=True)
         w1 = dequantize(lw.w1_packed[expert], lw.w1_scale[expert], num.dtype)

@@ -1,0 +1,104 @@
+"""The bytes one rank's layer_post launch must read: the memory floor.
+
+floor time = ``floor_bytes(...)["total"]`` / the copy bandwidth measured in the
+same run. Each weight byte is counted once (the rank's shards, k3mono.weights),
+the routed experts' slices for ``unique_experts`` distinct experts, plus the
+activations the launch reads: its heads of ``core``, ``prefix``, the AttnRes
+``blocks`` and the peer regions the exchanges land in (layout.peer_layout; the
+launch reads all of each, its own slot included). Writes and the scratch
+round trips (x, activations, latent) are not counted: they stay in L2.
+
+Shapes: S tokens, H hidden, C core width, T ranks, nb AttnRes blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .config import MAX_TOKENS, K3Config
+from .errors import K3InputError
+from .layout import PEER_REGIONS, peer_layout
+from .weights import shard_shapes
+
+EXPERT_TENSORS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
+"""Per-expert weights: only the routed experts' slices are read."""
+
+BF16_BYTES = 2
+
+
+def _tensor_bytes(shape, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def default_unique_experts(cfg: K3Config, tokens: int) -> int:
+    """Distinct experts S tokens touch at most: every (token, slot) its own."""
+    return min(tokens * cfg.num_experts_per_token, cfg.num_experts)
+
+
+def deepest_nblocks(cfg: K3Config) -> int:
+    """nb of the last layer: the most AttnRes blocks any layer reads."""
+    return cfg.num_blocks(cfg.num_hidden_layers - 1)
+
+
+def weight_bytes(cfg: K3Config, tp: int, unique_experts: int) -> dict[str, int]:
+    """name -> bytes of one rank's weights the launch reads (weights.py field names)."""
+    out = {}
+    for name, (shape, dtype) in shard_shapes(cfg, tp).items():
+        nbytes = _tensor_bytes(shape, dtype)
+        if name in EXPERT_TENSORS:
+            nbytes = nbytes // cfg.num_experts * unique_experts
+        out[name] = nbytes
+    return out
+
+
+def activation_bytes(cfg: K3Config, tp: int, tokens: int, nblocks: int) -> dict[str, int]:
+    """name -> bytes of the activations one rank's launch reads."""
+    S, H = tokens, cfg.hidden_size
+    out = {
+        "core": S * (cfg.core_width // tp) * BF16_BYTES,  # the rank's heads
+        "prefix": S * H * BF16_BYTES,
+        "blocks": S * nblocks * H * BF16_BYTES,
+    }
+    layout = peer_layout(cfg, tp, tokens)
+    for name in PEER_REGIONS:
+        _, shape, dtype = layout[name]
+        out[name] = _tensor_bytes(shape, dtype)
+    return out
+
+
+def floor_bytes(
+    cfg: K3Config, tp: int, tokens: int, unique_experts: int | None = None, *, nblocks: int | None = None
+) -> dict:
+    """The bytes one rank's launch must read.
+
+    unique_experts: distinct routed experts (default ``min(S*K, E)``; the
+    planner plans every (token, slot) as distinct, so it matches ``S*K``).
+    nblocks: AttnRes blocks of the layer (``cfg.num_blocks(layer)``; default
+    the deepest layer's, the largest).
+
+    Returns {"weights": {name: bytes}, "activations": {name: bytes},
+    "weight_bytes", "activation_bytes", "total"}.
+    """
+    if not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
+        raise K3InputError(f"tokens: expected an integer in 1..{MAX_TOKENS}, got {tokens!r}")
+    cfg.validate_tp(tp)
+    unique_experts = default_unique_experts(cfg, tokens) if unique_experts is None else unique_experts
+    if not isinstance(unique_experts, int) or unique_experts < 0:
+        raise K3InputError(f"unique_experts: expected a non-negative integer, got {unique_experts!r}")
+    nblocks = deepest_nblocks(cfg) if nblocks is None else nblocks
+    if not isinstance(nblocks, int) or nblocks < 1:
+        raise K3InputError(f"nblocks: expected a positive integer, got {nblocks!r}")
+    weights = weight_bytes(cfg, tp, unique_experts)
+    activations = activation_bytes(cfg, tp, tokens, nblocks)
+    return {
+        "weights": weights,
+        "activations": activations,
+        "weight_bytes": sum(weights.values()),
+        "activation_bytes": sum(activations.values()),
+        "total": sum(weights.values()) + sum(activations.values()),
+    }
+
+
+def floor_seconds(floor: dict, bytes_per_second: float) -> float:
+    """The floor time at a measured copy bandwidth."""
+    return floor["total"] / bytes_per_second

@@ -1,0 +1,327 @@
+"""Stages: routed experts on one rank (MXFP4 weights), after route.
+
+Shapes: S tokens, K experts per token, E experts, L latent, I_R = I/T this
+rank's slice of the expert intermediate, G_ROW = inputs / 32 (MXFP4 groups
+of a row); weights as k3mono.weights shards:
+
+    w1/w3_packed [E, I_R, L/2] u8     w1/w3_scale [E, I_R, L/32] u8
+    w2_packed    [E, L, I_R/2] u8     w2_scale    [E, L, I_R/32] u8
+
+gate_up: task = (pair s*K + j, tile of ROWS intermediate rows), e = ids[s, j]:
+
+    g   = bf16(z[s] @ w1[e].T)      u = bf16(z[s] @ w3[e].T)       fp32 accumulation
+    act = bf16(situ(g, u))                                          -> expert_act [S, K, I_R]
+
+down: task = (token s, tile of ROWS latent rows):
+
+    acc = sum_j w[s, j] * (act[s, j] @ w2[ids[s, j]].T)             fp32, never rounded
+                                                                    -> latent_partial [S, L]
+
+The per-expert output is not rounded: this rank holds only a partial of it
+(reference/tp.py). The K experts' inputs form one row of K * G_ROW group
+columns, each with its own expert's weights, activations and route weight
+(folded into the group's scale factor): the sums over groups and experts
+are one fp32 sum of the same terms in another association than the
+reference's (a 1e-7-relative difference), and a step always has live
+columns even where I_R is only a few groups (12 at TP8).
+
+MXFP4 is dequantised in registers (kernels/mxfp4.py): each thread reads 16
+contiguous bytes (one 32-value group) and its scale byte, places each
+nibble into an fp32 with three integer ops and one FFMA, and applies the
+scale once per group. Activations carry a 2^63 pre-scale that the finished
+dot gives back, which needs |activation| < 2^64: z is an O(1) latent and
+situ is bounded by beta * linear_beta = 100.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import MXFP4_GROUP
+from ..errors import K3InputError, expect_tensor
+from .common import as_f32, situ, to_bf16
+from .mxfp4 import (
+    OUT_RESCALE,
+    act_pair_ptrs,
+    e8m0_scale,
+    load_mxfp4_tile,
+    mxfp4_group_dot,
+    mxfp4_group_dot_pair,
+)
+
+GROUP = tl.constexpr(MXFP4_GROUP)  # inputs per E8M0 scale
+_PACKING = 2  # E2M1 values per packed byte
+PACKING = tl.constexpr(_PACKING)
+# Steps whose loads are in flight at once (compiled builds stage them through
+# shared memory with cp.async): one step is 64 to 128 bytes of weights per
+# thread, and an SM needs ~32 KB in flight to cover HBM latency. Not part of
+# StageGeometry (GemvTile has no such field); the interpreter ignores it.
+PIPELINE_STAGES = tl.constexpr(3)
+
+
+@triton.jit
+def expert_gate_up_task(
+    task,
+    z_ptr,  # bf16 [S, L]
+    ids_ptr,  # int32 [S, K]
+    w1_ptr,  # u8 [E, I_R, L/2]
+    w1_scale_ptr,  # u8 [E, I_R, L/32]
+    w3_ptr,  # u8 [E, I_R, L/2]
+    w3_scale_ptr,  # u8 [E, I_R, L/32]
+    act_ptr,  # bf16 [S, K, I_R] out
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,  # I/T
+    ROWS: tl.constexpr,  # intermediate rows per task
+    BLOCK_G: tl.constexpr,  # MXFP4 groups of a row per step
+    BETA: tl.constexpr,
+    LINEAR_BETA: tl.constexpr,
+):
+    """Task = (pair s*K + j, tile of ROWS intermediate rows), pair-major."""
+    TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
+    G_ROW: tl.constexpr = L // GROUP
+    pair = task // TILES
+    tile = task % TILES
+    token = pair // K
+    # int64: E * I_R * L/2 bytes passes 2^31 at TP1 (4.9 GB for the released shapes).
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    w1 = w1_ptr + expert * (I_R * L // PACKING)
+    w3 = w3_ptr + expert * (I_R * L // PACKING)
+    w1_scale = w1_scale_ptr + expert * (I_R * G_ROW)
+    w3_scale = w3_scale_ptr + expert * (I_R * G_ROW)
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < I_R
+
+    # Per (group column, row) partials; the row sums are taken once, at the end.
+    gate = tl.zeros((BLOCK_G, ROWS), tl.float32)
+    up = tl.zeros((BLOCK_G, ROWS), tl.float32)
+    for g0 in tl.range(0, G_ROW, BLOCK_G, num_stages=PIPELINE_STAGES):
+        groups = g0 + tl.arange(0, BLOCK_G)
+        col_ok = groups < G_ROW
+        words1, scales1 = load_mxfp4_tile(w1, w1_scale, groups, col_ok, rows, row_ok, G_ROW)
+        words3, scales3 = load_mxfp4_tile(w3, w3_scale, groups, col_ok, rows, row_ok, G_ROW)
+        a_ptrs, a_ok = act_pair_ptrs(z_ptr + token * L, groups, col_ok)
+        dot1, dot3 = mxfp4_group_dot_pair(words1, words3, a_ptrs, a_ok)
+        gate += dot1 * e8m0_scale(scales1)
+        up += dot3 * e8m0_scale(scales3)
+    g = to_bf16(tl.sum(gate, axis=0) * OUT_RESCALE)
+    u = to_bf16(tl.sum(up, axis=0) * OUT_RESCALE)
+    act = to_bf16(situ(as_f32(g), as_f32(u), BETA, LINEAR_BETA))
+    tl.store(act_ptr + pair * I_R + rows, act, mask=row_ok)
+
+
+@triton.jit
+def _expert_gate_up_kernel(
+    z_ptr,  # bf16 [S, L]
+    ids_ptr,  # int32 [S, K]
+    w1_ptr,  # u8 [E, I_R, L/2]
+    w1_scale_ptr,  # u8 [E, I_R, L/32]
+    w3_ptr,  # u8 [E, I_R, L/2]
+    w3_scale_ptr,  # u8 [E, I_R, L/32]
+    act_ptr,  # bf16 [S, K, I_R] out
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BETA: tl.constexpr,
+    LINEAR_BETA: tl.constexpr,
+):
+    expert_gate_up_task(
+        tl.program_id(0),
+        z_ptr,
+        ids_ptr,
+        w1_ptr,
+        w1_scale_ptr,
+        w3_ptr,
+        w3_scale_ptr,
+        act_ptr,
+        K,
+        L,
+        I_R,
+        ROWS,
+        BLOCK_G,
+        BETA,
+        LINEAR_BETA,
+    )
+
+
+@triton.jit
+def expert_down_task(
+    task,
+    act_ptr,  # bf16 [S, K, I_R]
+    ids_ptr,  # int32 [S, K]
+    route_w_ptr,  # fp32 [S, K]
+    w2_ptr,  # u8 [E, L, I_R/2]
+    w2_scale_ptr,  # u8 [E, L, I_R/32]
+    out_ptr,  # fp32 [S, L] out: this rank's latent partial
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,  # I/T
+    ROWS: tl.constexpr,  # latent rows per task
+    BLOCK_G: tl.constexpr,  # (slot, group) columns per step
+):
+    """Task = (token, tile of ROWS latent rows), token-major.
+
+    The K chosen experts' inputs are one row of K * I_R/32 group columns,
+    column c = (slot c // G_ROW, group c % G_ROW), each with its own expert's
+    weights, activations and route weight (folded into the group's scale).
+    A step thus always has BLOCK_G live columns, however few groups I/T has
+    (12 at TP8), and the row sums are taken once, at the end. The sum over
+    experts is reassociated with the sums over groups: fp32 rounding of the
+    same terms, no per-expert rounding."""
+    TILES: tl.constexpr = triton.cdiv(L, ROWS)
+    G_ROW: tl.constexpr = I_R // GROUP
+    COLS: tl.constexpr = K * G_ROW
+    token = task // TILES
+    tile = task % TILES
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < L
+
+    acc = tl.zeros((BLOCK_G, ROWS), tl.float32)
+    for c0 in tl.range(0, COLS, BLOCK_G, num_stages=PIPELINE_STAGES):
+        cols = c0 + tl.arange(0, BLOCK_G)
+        col_ok = cols < COLS
+        pair = token * K + cols // G_ROW
+        groups = cols % G_ROW
+        # int64: E * L * I_R/2 bytes passes 2^31 at TP1.
+        expert = tl.load(ids_ptr + pair, mask=col_ok, other=0).to(tl.int64)
+        # The 2^63 the dot still owes rides on the route weight (both exact).
+        weight = tl.load(route_w_ptr + pair, mask=col_ok, other=0.0) * OUT_RESCALE
+        w2 = (w2_ptr + expert * (L * I_R // PACKING))[:, None]
+        w2_scale = (w2_scale_ptr + expert * (L * G_ROW))[:, None]
+        words, scales = load_mxfp4_tile(w2, w2_scale, groups, col_ok, rows, row_ok, G_ROW)
+        a_ptrs, a_ok = act_pair_ptrs((act_ptr + pair * I_R)[:, None], groups, col_ok)
+        acc += mxfp4_group_dot(words, a_ptrs, a_ok) * (e8m0_scale(scales) * weight[:, None])
+    tl.store(out_ptr + token * L + rows, tl.sum(acc, axis=0), mask=row_ok)
+
+
+@triton.jit
+def _expert_down_kernel(
+    act_ptr,  # bf16 [S, K, I_R]
+    ids_ptr,  # int32 [S, K]
+    route_w_ptr,  # fp32 [S, K]
+    w2_ptr,  # u8 [E, L, I_R/2]
+    w2_scale_ptr,  # u8 [E, L, I_R/32]
+    out_ptr,  # fp32 [S, L] out
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    expert_down_task(
+        tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R, ROWS, BLOCK_G
+    )
+
+
+# -- launchers -------------------------------------------------------------------
+
+
+def _check_contiguous(stage: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{stage}: {name} must be contiguous")
+
+
+def _expert_shapes(cfg, w_packed, w_scale, rows: int, cols: int, name: str) -> None:
+    E = cfg.num_experts
+    expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _PACKING), torch.uint8)
+    expect_tensor(f"{name}_scale", w_scale, (E, rows, cols // MXFP4_GROUP), torch.uint8)
+
+
+def _rank_intermediate(cfg, name: str, tensor, dim: int) -> int:
+    """I/T, read off the shard (the launchers take no T): whole MXFP4 groups dividing I."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+        raise K3InputError(f"{name}: expected a 3-d tensor [E, rows, cols/2] uint8")
+    i_r = tensor.shape[dim] * (_PACKING if dim == 2 else 1)
+    I = cfg.moe_intermediate_size
+    if i_r <= 0 or i_r % MXFP4_GROUP or I % i_r:
+        raise K3InputError(f"{name}: {i_r} intermediate values per rank is not I/T in whole groups (I = {I})")
+    return i_r
+
+
+def _block_groups(tile) -> int:
+    if tile.block_k % MXFP4_GROUP:
+        raise ValueError(f"expert tile block_k {tile.block_k} is not a multiple of the MXFP4 group {MXFP4_GROUP}")
+    return tile.block_k // MXFP4_GROUP
+
+
+def launch_expert_gate_up(
+    z, route_ids, w1_packed, w1_scale, w3_packed, w3_scale, expert_act, geom, cfg
+) -> None:
+    """z [S, L] bf16, route_ids [S, K] int32, w1/w3 shards -> expert_act [S, K, I/T] bf16."""
+    S, K, L = geom.tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    I_R = _rank_intermediate(cfg, "w1_packed", w1_packed, 1)
+    expect_tensor("z", z, (S, L), torch.bfloat16)
+    expect_tensor("route_ids", route_ids, (S, K), torch.int32)
+    _expert_shapes(cfg, w1_packed, w1_scale, I_R, L, "w1")
+    _expert_shapes(cfg, w3_packed, w3_scale, I_R, L, "w3")
+    expect_tensor("expert_act", expert_act, (S, K, I_R), torch.bfloat16)
+    _check_contiguous(
+        "launch_expert_gate_up",
+        z=z,
+        route_ids=route_ids,
+        w1_packed=w1_packed,
+        w1_scale=w1_scale,
+        w3_packed=w3_packed,
+        w3_scale=w3_scale,
+        expert_act=expert_act,
+    )
+    tile = geom.expert_gate_up
+    grid = (S * K * triton.cdiv(I_R, tile.rows),)
+    _expert_gate_up_kernel[grid](
+        z,
+        route_ids,
+        w1_packed,
+        w1_scale,
+        w3_packed,
+        w3_scale,
+        expert_act,
+        K=K,
+        L=L,
+        I_R=I_R,
+        ROWS=tile.rows,
+        BLOCK_G=_block_groups(tile),
+        BETA=cfg.situ_beta,
+        LINEAR_BETA=cfg.situ_linear_beta,
+        num_warps=tile.warps,
+    )
+
+
+def launch_expert_down(expert_act, route_ids, route_w, w2_packed, w2_scale, latent_partial, geom, cfg) -> None:
+    """expert_act [S, K, I/T] bf16, routes, w2 shard -> latent_partial [S, L] fp32 (unrounded)."""
+    S, K, L = geom.tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    I_R = _rank_intermediate(cfg, "w2_packed", w2_packed, 2)
+    expect_tensor("expert_act", expert_act, (S, K, I_R), torch.bfloat16)
+    expect_tensor("route_ids", route_ids, (S, K), torch.int32)
+    expect_tensor("route_w", route_w, (S, K), torch.float32)
+    _expert_shapes(cfg, w2_packed, w2_scale, L, I_R, "w2")
+    expect_tensor("latent_partial", latent_partial, (S, L), torch.float32)
+    _check_contiguous(
+        "launch_expert_down",
+        expert_act=expert_act,
+        route_ids=route_ids,
+        route_w=route_w,
+        w2_packed=w2_packed,
+        w2_scale=w2_scale,
+        latent_partial=latent_partial,
+    )
+    tile = geom.expert_down
+    grid = (S * triton.cdiv(L, tile.rows),)
+    _expert_down_kernel[grid](
+        expert_act,
+        route_ids,
+        route_w,
+        w2_packed,
+        w2_scale,
+        latent_partial,
+        K=K,
+        L=L,
+        I_R=I_R,
+        ROWS=tile.rows,
+        BLOCK_G=_block_groups(tile),
+        num_warps=tile.warps,
+    )

@@ -1,0 +1,116 @@
+"""The rank's AR3 operand: its latent up-projection columns plus its shared down.
+
+Shapes: S tokens, H hidden, L latent, SI shared intermediate, T ranks.
+
+    partial [S, H] fp32 = latent[:, r*L/T : (r+1)*L/T] @ latent_up_r [H, L/T].T
+                        + shared_act [S, SI/T] @ shared_down_r [H, SI/T].T      (both unrounded)
+
+A task owns ``geom.final.rows`` rows of H and runs both GEMVs into them (the
+two terms are added complete, as tp.py adds r_t + s_t). The partial is pushed
+to every rank's ar3 slot r, so ``final_task`` returns the register tile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import common
+from .gemv import check_rows_contiguous, even_k, gemv_tile, num_tasks, store_rows
+
+
+@triton.jit
+def final_task(
+    task,
+    latent_ptr,  # [S, L/T] bf16: the rank's column slice of latent [S, L]
+    stride_ls,
+    up_ptr,  # [H, L/T] bf16
+    stride_un,
+    act_ptr,  # [S, SI/T] bf16
+    stride_as,
+    down_ptr,  # [H, SI/T] bf16
+    stride_dn,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    K_LATENT: tl.constexpr,  # L/T
+    K_SHARED: tl.constexpr,  # SI/T
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K_LATENT: tl.constexpr,
+    EVEN_K_SHARED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[SP, ROWS] fp32: rows task*ROWS .. of the partial."""
+    row0 = task * ROWS
+    routed = gemv_tile(
+        latent_ptr, stride_ls, up_ptr, stride_un, row0, S, H, K_LATENT, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K_LATENT, UPCAST
+    )
+    shared = gemv_tile(
+        act_ptr, stride_as, down_ptr, stride_dn, row0, S, H, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K_SHARED, UPCAST
+    )
+    return routed + shared
+
+
+@triton.jit
+def _final_kernel(
+    latent_ptr,  # [S, L/T] bf16 (column slice)
+    stride_ls,
+    up_ptr,  # [H, L/T] bf16
+    stride_un,
+    act_ptr,  # [S, SI/T] bf16
+    stride_as,
+    down_ptr,  # [H, SI/T] bf16
+    stride_dn,
+    out_ptr,  # [S, H] fp32: ar3[rank]
+    stride_os,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    K_LATENT: tl.constexpr,
+    K_SHARED: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K_LATENT: tl.constexpr,
+    EVEN_K_SHARED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    task = tl.program_id(0)
+    tile = final_task(
+        task, latent_ptr, stride_ls, up_ptr, stride_un, act_ptr, stride_as, down_ptr, stride_dn, S, H,
+        K_LATENT, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K_LATENT, EVEN_K_SHARED, UPCAST,
+    )
+    store_rows(out_ptr, stride_os, tile, task * ROWS, S, H, SP, ROWS)
+
+
+def launch_final_partial(latent, rank, latent_up_r, shared_act, shared_down_r, partial_out, geom) -> None:
+    """partial_out [S, H] fp32 = latent[:, rank's L/T columns] @ latent_up_r.T + shared_act @ shared_down_r.T.
+
+    latent [S, L] bf16 (the whole normalised latent), latent_up_r [H, L/T] bf16,
+    shared_act [S, SI/T] bf16, shared_down_r [H, SI/T] bf16.
+    """
+    S, L = latent.shape
+    H, KL = latent_up_r.shape
+    KS = shared_down_r.shape[1]
+    if (
+        L % KL or not 0 <= rank < L // KL or shared_down_r.shape[0] != H
+        or tuple(shared_act.shape) != (S, KS) or tuple(partial_out.shape) != (S, H) or S != geom.tokens
+    ):
+        raise ValueError(
+            f"launch_final_partial: latent {list(latent.shape)} rank {rank}, latent_up_r {list(latent_up_r.shape)}, "
+            f"shared_act {list(shared_act.shape)}, shared_down_r {list(shared_down_r.shape)}, out {list(partial_out.shape)}"
+        )
+    for name, t in (("latent", latent), ("latent_up_r", latent_up_r), ("shared_act", shared_act),
+                    ("shared_down_r", shared_down_r), ("partial_out", partial_out)):
+        check_rows_contiguous(name, t)
+    latent_r = latent[:, rank * KL : (rank + 1) * KL]
+    tile = geom.final
+    _final_kernel[(num_tasks(H, tile.rows),)](
+        latent_r, latent_r.stride(0), latent_up_r, latent_up_r.stride(0), shared_act, shared_act.stride(0),
+        shared_down_r, shared_down_r.stride(0), partial_out, partial_out.stride(0),
+        S=S, H=H, K_LATENT=KL, K_SHARED=KS, SP=geom.tokens_pad, ROWS=tile.rows, BLOCK_K=tile.block_k, USE_DOT=geom.use_dot,
+        EVEN_K_LATENT=even_k(KL, tile.block_k), EVEN_K_SHARED=even_k(KS, tile.block_k),
+        UPCAST=common.UPCAST_DOT, num_warps=tile.warps,
+    )

@@ -1,0 +1,202 @@
+"""The bf16 GEMV tile every dense stage is built from.
+
+Shapes: S tokens (SP padded: a power of two, 16 on the tl.dot path), K the
+input width, N the output rows of the weight, ROWS the rows one task owns.
+
+    acc[s, j] = sum_k x[s, k] * w[row0 + j, k]        fp32, unrounded
+    x [S, K] bf16, w [N, K] bf16, acc [SP, ROWS] fp32
+
+This is the hot loop of layer_post: at decode sizes every weight byte is read
+once and used for at most 16 tokens, so the tile is built to stream weights at
+the memory bandwidth:
+
+* weight tiles are [ROWS, BLOCK_K] with K innermost and unit stride, so each
+  thread loads contiguous 16-byte vectors and a warp reads whole cache lines;
+* the weight rows past N are clamped onto row N-1 instead of masked: the loads
+  stay unpredicated per element (the duplicated row is served by L1), and the
+  garbage rows are never stored (``store_rows`` masks them). With ``EVEN_K``
+  (K a multiple of BLOCK_K) the K tail mask disappears too: the steady-state
+  weight load is a plain 16-byte vector load under one uniform predicate;
+* USE_DOT picks the arithmetic. tl.dot runs on the tensor cores with the tokens
+  padded to 16; Triton's pipeliner stages its operands through shared memory.
+  The FMA path (at most FMA_MAX_SP tokens) keeps, per token, partial sums of
+  the VEC products each thread loaded as one vector (register FMAs only: no
+  shuffle and no CTA barrier inside the loop) and reduces across lanes and
+  warps once at the end. x is loaded broadcast to the weight tile's shape so
+  it gets the weight tile's register layout (no per-step layout conversion; the
+  repeated reads hit L1), and the weight tiles are double-buffered in
+  registers so the next step's loads are in flight during this step's FMAs.
+
+Shape-like arguments (S, N, K) are constexprs: the interpreter cannot loop to a
+runtime bound (numpy 2.4 refuses int() of its 1-element scalars), and a build
+is specialised to its shapes anyway.
+
+Tokens at or past S contribute zero rows to ``acc``; rows at or past N hold
+garbage. Callers store through ``store_rows``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import as_f32, dot_acc
+
+VEC = tl.constexpr(8)  # bf16 values in one 16-byte load: the run a thread holds
+FMA_MAX_SP = tl.constexpr(4)  # tokens the FMA path keeps accumulators for (planner.FMA_MAX_TOKENS)
+
+
+@triton.jit
+def _load_w(
+    w_ptrs,  # [ROWS, BLOCK_K] pointers into w [N, K] bf16 at column k0
+    k0,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """A weight tile, streamed once (evict first: it is never read again); all
+    zeros (and no memory traffic) from k0 = K on, so a prefetch may run past."""
+    if EVEN_K:
+        return tl.load(w_ptrs + k0, mask=k0 < K, other=0.0, eviction_policy="evict_first")
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_ptrs + k0, mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _load_x_bcast(
+    x_row_ptr,  # [K] bf16: one token of x
+    zero_rows,  # [ROWS] int32 zeros: the weight tile's row axis, to broadcast over
+    k0,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """x[k0 : k0 + BLOCK_K] as a [ROWS, BLOCK_K] tile (every row the same): the
+    same shape and contiguity as the weight tile, so it gets the same register
+    layout and the product needs no layout conversion (a conversion is a trip
+    through shared memory and a CTA barrier every step). The repeated reads are
+    L1 hits."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    ptrs = x_row_ptr + zero_rows[:, None] + kk[None, :]
+    if EVEN_K:
+        return tl.load(ptrs, eviction_policy="evict_last")
+    else:
+        return tl.load(ptrs, mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_last")
+
+
+@triton.jit
+def _fold(
+    w,  # [ROWS, BLOCK_K] fp32 weight tile
+    x_row_ptr,  # [K] bf16: one token of x
+    zero_rows,  # [ROWS] int32 zeros
+    k0,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """[ROWS, BLOCK_K / VEC] fp32: w * x summed over each run of VEC columns
+    (the run one thread loaded as one vector, so the sum stays in registers)."""
+    xs = as_f32(_load_x_bcast(x_row_ptr, zero_rows, k0, K, BLOCK_K, EVEN_K))
+    return tl.sum(tl.reshape(w * xs, [ROWS, BLOCK_K // VEC, VEC]), axis=2)
+
+
+@triton.jit
+def gemv_tile(
+    x_ptr,  # [S, K] bf16, row stride stride_xs, unit column stride
+    stride_xs,
+    w_ptr,  # [N, K] bf16, row stride stride_wn, unit column stride
+    stride_wn,
+    row0,  # first weight row of the tile
+    S: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring)."""
+    rows = tl.minimum(row0 + tl.arange(0, ROWS), N - 1)
+    kk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + kk[None, :]
+    tok = tl.arange(0, SP)
+    if USE_DOT:
+        acc = tl.zeros([SP, ROWS], dtype=tl.float32)
+        x_ptrs = x_ptr + tok[:, None] * stride_xs + kk[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            w = _load_w(w_ptrs, k0, K, BLOCK_K, EVEN_K)
+            if EVEN_K:
+                x = tl.load(x_ptrs + k0, mask=(tok < S)[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs + k0, mask=(tok < S)[:, None] & ((k0 + kk) < K)[None, :], other=0.0)
+            acc = dot_acc(x, tl.trans(w), acc, UPCAST)
+        return acc
+    else:
+        # Per token, [ROWS, BLOCK_K / VEC] partial sums: a step folds only the VEC
+        # products a thread holds of one row (register FMAs: no shuffles and no
+        # CTA barrier in the loop); the sums across lanes and warps run once.
+        tl.static_assert(SP <= FMA_MAX_SP)
+        zero_rows = tl.zeros([ROWS], dtype=tl.int32)
+        p0 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
+        p1 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
+        p2 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
+        p3 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
+        # Double-buffered in registers: the next step's weights are in flight
+        # while this step's FMAs run (the dot path gets the same from Triton's
+        # pipeliner; this path has no shared-memory staging to pipeline).
+        w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
+        for k0 in range(0, K, BLOCK_K):
+            w = as_f32(w_next)
+            w_next = _load_w(w_ptrs, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
+            p0 += _fold(w, x_ptr, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+            if S > 1:
+                p1 += _fold(w, x_ptr + stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+            if S > 2:
+                p2 += _fold(w, x_ptr + 2 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+            if S > 3:
+                p3 += _fold(w, x_ptr + 3 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+        acc = tl.where(tok[:, None] == 0, tl.sum(p0, axis=1)[None, :], 0.0)
+        if S > 1:
+            acc = tl.where(tok[:, None] == 1, tl.sum(p1, axis=1)[None, :], acc)
+        if S > 2:
+            acc = tl.where(tok[:, None] == 2, tl.sum(p2, axis=1)[None, :], acc)
+        if S > 3:
+            acc = tl.where(tok[:, None] == 3, tl.sum(p3, axis=1)[None, :], acc)
+        return acc
+
+
+@triton.jit
+def store_rows(
+    out_ptr,  # [S, N] (any dtype), row stride stride_os, unit column stride
+    stride_os,
+    tile,  # [SP, ROWS] in out's dtype
+    row0,
+    S: tl.constexpr,
+    N: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """out[:S, row0 : row0 + ROWS] = tile, masked to the real tokens and rows."""
+    tok = tl.arange(0, SP)
+    rows = row0 + tl.arange(0, ROWS)
+    ptrs = out_ptr + tok[:, None] * stride_os + rows[None, :]
+    tl.store(ptrs, tile, mask=(tok < S)[:, None] & (rows < N)[None, :])
+
+
+def even_k(k: int, block_k: int) -> bool:
+    """Host side: whether K needs no tail mask (the EVEN_K constexpr)."""
+    return k % block_k == 0
+
+
+def check_rows_contiguous(name: str, t) -> None:
+    """Host side: the GEMV tiles assume unit stride along a tensor's last dim."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride along the last dim, got strides {tuple(t.stride())}")
+
+
+def num_tasks(n: int, rows: int) -> int:
+    return triton.cdiv(n, rows)

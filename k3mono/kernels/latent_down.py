@@ -1,0 +1,81 @@
+"""Latent down-projection, split by latent rows: rank r's columns of the AG1 z.
+
+Shapes: S tokens, H hidden, L latent, T ranks, L/T the rank's latent rows.
+
+    z[:, r*L/T : (r+1)*L/T] [S, L/T] bf16 = bf16(x [S, H] @ latent_down_r [L/T, H].T)
+
+A task owns ``geom.latent_down.rows`` latent rows. The slice is gathered by
+every rank, so ``latent_down_task`` returns the rounded register tile; its
+caller stores it into each destination's z columns.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import common
+from .common import to_bf16
+from .gemv import check_rows_contiguous, even_k, gemv_tile, num_tasks, store_rows
+
+
+@triton.jit
+def latent_down_task(
+    task,
+    x_ptr,  # [S, H] bf16
+    stride_xs,
+    w_ptr,  # [L/T, H] bf16
+    stride_wn,
+    S: tl.constexpr,
+    N: tl.constexpr,  # L/T
+    K: tl.constexpr,  # H
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[SP, ROWS] bf16: z columns task*ROWS .. of this rank's slice."""
+    acc = gemv_tile(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
+    return to_bf16(acc)
+
+
+@triton.jit
+def _latent_down_kernel(
+    x_ptr,  # [S, H] bf16
+    stride_xs,
+    w_ptr,  # [L/T, H] bf16
+    stride_wn,
+    z_ptr,  # [S, L/T] bf16: a column slice of z [S, L]
+    stride_zs,
+    S: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    task = tl.program_id(0)
+    tile = latent_down_task(task, x_ptr, stride_xs, w_ptr, stride_wn, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
+    store_rows(z_ptr, stride_zs, tile, task * ROWS, S, N, SP, ROWS)
+
+
+def launch_latent_down(x, w, z_out, geom) -> None:
+    """z_out [S, L/T] bf16 (a column slice of the [S, L] z; its row stride is
+    used) = bf16(x [S, H] bf16 @ w [L/T, H] bf16 .T)."""
+    S, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or tuple(z_out.shape) != (S, N) or S != geom.tokens:
+        raise ValueError(f"launch_latent_down: x {list(x.shape)}, w {list(w.shape)}, z_out {list(z_out.shape)}")
+    for name, t in (("x", x), ("w", w), ("z_out", z_out)):
+        check_rows_contiguous(name, t)
+    tile = geom.latent_down
+    _latent_down_kernel[(num_tasks(N, tile.rows),)](
+        x, x.stride(0), w, w.stride(0), z_out, z_out.stride(0),
+        S=S, N=N, K=K, SP=geom.tokens_pad, ROWS=tile.rows, BLOCK_K=tile.block_k, USE_DOT=geom.use_dot,
+        EVEN_K=even_k(K, tile.block_k), UPCAST=common.UPCAST_DOT, num_warps=tile.warps,
+    )

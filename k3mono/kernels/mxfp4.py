@@ -1,0 +1,202 @@
+"""MXFP4 in registers: jit helpers the expert stages dequantise with.
+
+Layout (k3mono.mxfp4, compressed-tensors): a weight row of C inputs is C/2
+bytes, element 2i in the low nibble of byte i; a nibble is sign (bit 3),
+exponent (bits 2..1), mantissa (bit 0); byte ``scale[row, g]`` (E8M0)
+multiplies inputs 32g .. 32g+31 by 2^(byte - 127).
+
+Load shape. Packed bytes are read as little-endian int32 words: word w of a
+group holds elements 8w .. 8w+7, element 8w + k in bits 4k .. 4k+3. A group
+of 32 elements is 4 words = 16 contiguous bytes, so a tile
+``words [G, R, 4]`` (G group columns, R rows) gives each thread one 128-bit
+load per group, and ``scales [G, R]`` its one scale byte. Group columns lead
+the shape: the compiler spreads lanes over the dims after the contiguous one
+in order, so a warp's lanes read consecutive groups of a row, and a thread
+keeps one group column over several rows, reusing its activations for each.
+Activations (bf16) are read as int32 pairs: elements 2p and 2p + 1 of a
+word's eight, one 4-byte load for two nibbles.
+
+Bit placement (no table, no exp2, no select). Nibble k of a word goes to an
+fp32 with its sign at bit 31 and its three other bits at bits 24..22 (the
+two low exponent bits and the top mantissa bit):
+
+    bits = ((word << (28 - 4k)) >>arith 6) & 0x81C00000
+
+That fp32 is exactly E2M1 * 2^-126, the E2M1 subnormals included: exponent
+field 0 makes 0.5 the fp32 subnormal 2^-127 and keeps 0 / -0 zeros; field
+e >= 1 gives (1 + m/2) * 2^(e - 127). Three integer ops per value (ptxas: a
+shift, SHF.R.S32 or SGXT, a LOP3; two for k = 7), then one FFMA.
+
+The 2^-126 is never multiplied per value: activations carry a 2^63
+pre-scale (``ACT_PRESCALE``, once per activation, shared by all rows of a
+thread), a group's 32 products are summed, the sum is multiplied once by the
+group's E8M0 factor 2^(s - 127) (an fp32 built from the scale byte's bits,
+``s << 23``), and the finished dot by 2^63 (``OUT_RESCALE``). Every factor
+is a power of two, so the result is the dot with ``mxfp4.dequantize`` up to
+fp32 summation order, within these ranges:
+
+* |activation| < 2^64, so that a * 2^63 stays finite;
+* partial sums carry a 2^-63 factor: where one falls below the fp32 normal
+  range (a group contribution under 2^-63 in magnitude) its rounding error
+  is absolute, at most 2^-87 in true units per step, not relative;
+* scale bytes 1 .. 254. Byte 0 (2^-127, only for groups whose largest
+  weight is below 2^-125) reads as 0; byte 255 (E8M0 NaN) as +inf.
+
+``mxfp4_dequant`` returns the exact dequantised values (tests, or a
+tensor-core path): it undoes the 2^-126 before the scale, so every nibble
+and every scale byte 1 .. 254 round-trips bit for bit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..config import MXFP4_GROUP
+
+_WORD_BITS = 32  # packed bytes are read as int32 words
+_NIBBLE_BITS = 4  # one E2M1 value
+_PACKING = 2  # E2M1 values per byte
+_NIBBLES_PER_WORD = _WORD_BITS // _NIBBLE_BITS
+
+GROUP = tl.constexpr(MXFP4_GROUP)  # inputs per E8M0 scale
+NIBBLE_BITS = tl.constexpr(_NIBBLE_BITS)
+NIBBLES_PER_WORD = tl.constexpr(_NIBBLES_PER_WORD)
+WORDS_PER_GROUP = tl.constexpr(MXFP4_GROUP // _NIBBLES_PER_WORD)  # 4 words = 16 bytes: one 128-bit load per group
+SIGN_TO_TOP = tl.constexpr(28)  # left shift 28 - 4k puts nibble k's sign (bit 4k+3) on bit 31
+EXP_ALIGN = tl.constexpr(6)  # arithmetic right shift: bits 30..28 -> 24..22, the sign stays on bit 31
+# Keep bit 31 (sign) and bits 24..22 (exponent bits 1..0, mantissa bit 22);
+# written as the int32 it is, so the AND stays in int32.
+PLACE_MASK = tl.constexpr(0x81C00000 - (1 << 32))
+FP32_EXP_SHIFT = tl.constexpr(23)  # an E8M0 byte s in the fp32 exponent field is 2^(s - 127)
+E2M1_UNPLACE = tl.constexpr(2.0**126)  # placed value * 2^126 = the E2M1 value
+ACT_PRESCALE = tl.constexpr(2.0**63)  # half of 2^126 on the activations ...
+OUT_RESCALE = tl.constexpr(2.0**63)  # ... and half on the finished dot
+PAIR = tl.constexpr(2)  # bf16 activations per int32 load
+BF16_SHIFT = tl.constexpr(16)  # a bf16 is the high half of an fp32
+BF16_HIGH_HALF = tl.constexpr(0xFFFF0000 - (1 << 32))  # as the int32 it is
+
+
+@triton.jit
+def e2m1_place(words, NIBBLE: tl.constexpr):
+    """Nibble NIBBLE of every int32 word as the fp32 E2M1 * 2^-126 (exact)."""
+    bits = ((words << (SIGN_TO_TOP - NIBBLE_BITS * NIBBLE)) >> EXP_ALIGN) & PLACE_MASK
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_scale(scale_bytes):
+    """uint8 E8M0 bytes 1..254 -> fp32 2^(byte - 127), exact."""
+    return (scale_bytes.to(tl.int32) << FP32_EXP_SHIFT).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_dequant(words, scale_bytes, NIBBLE: tl.constexpr):
+    """words [G, R, 4] int32, scale_bytes [G, R] uint8 -> fp32 [G, R, 4]:
+    element 8w + NIBBLE of each group, exactly mxfp4.dequantize."""
+    return e2m1_place(words, NIBBLE) * E2M1_UNPLACE * e8m0_scale(scale_bytes)[:, :, None]
+
+
+@triton.jit
+def load_mxfp4_tile(
+    packed_base,  # u8 * (scalar, or [G, 1] per group column): row 0 of the column's [rows, G_ROW * 16] matrix
+    scale_base,  # u8 * (scalar, or [G, 1]): row 0 of its [rows, G_ROW] scales
+    groups,  # [G] int32: each column's group within a row
+    col_ok,  # [G] bool
+    rows,  # [R] int32
+    row_ok,  # [R] bool
+    G_ROW: tl.constexpr,  # groups per row (inputs / 32)
+):
+    """-> words [G, R, 4] int32, scales [G, R] uint8 (zeros where masked)."""
+    word = tl.arange(0, WORDS_PER_GROUP)
+    ok = col_ok[:, None] & row_ok[None, :]
+    index = rows[None, :] * G_ROW + groups[:, None]
+    word_ptrs = (packed_base.to(tl.pointer_type(tl.int32)) + index * WORDS_PER_GROUP)[:, :, None] + word[None, None, :]
+    words = tl.load(word_ptrs, mask=ok[:, :, None], other=0)
+    # Left contiguous, the scale bytes would get a vector layout of their own
+    # and a shared-memory round trip (with barriers) per step to meet the words.
+    scales = tl.load(scale_base + tl.max_contiguous(index, [1, 1]), mask=ok, other=0)
+    return words, scales
+
+
+@triton.jit
+def act_pair_ptrs(
+    act_base,  # bf16 * (scalar, or [G, 1]): element 0 of the column's activation row
+    groups,  # [G] int32
+    col_ok,  # [G] bool
+):
+    """int32 pointers [G, 4] to elements (8w, 8w + 1) of each column's group
+    (add p for the pair 2p, 2p + 1), and their mask [G, 4]."""
+    word = tl.arange(0, WORDS_PER_GROUP)
+    pairs = act_base.to(tl.pointer_type(tl.int32)) + (groups * (GROUP // PAIR))[:, None]
+    ptrs = pairs + word[None, :] * (NIBBLES_PER_WORD // PAIR)
+    ok = tl.broadcast_to(col_ok[:, None], ptrs.shape)
+    return ptrs, ok
+
+
+@triton.jit
+def _prescaled_pair(act_ptrs, act_ok, P: tl.constexpr):
+    """Activations of nibbles 2P and 2P + 1 as fp32 * 2^63, each [G, 1, 4]
+    (broadcast over rows). A bf16 is the high half of its fp32: the low
+    element moves up, the high one is masked in place."""
+    both = tl.load(act_ptrs + P, mask=act_ok, other=0)
+    low = (both << BF16_SHIFT).to(tl.float32, bitcast=True) * ACT_PRESCALE
+    high = (both & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * ACT_PRESCALE
+    return low[:, None, :], high[:, None, :]
+
+
+@triton.jit
+def mxfp4_group_dot(words, act_ptrs, act_ok):
+    """words [G, R, 4] int32, activation pairs at act_ptrs [G, 4] ->
+    [G, R] fp32: each group's sum of E2M1 * a * 2^-63 (scale not applied)."""
+    part = tl.zeros(words.shape, tl.float32)
+    for p in tl.static_range(NIBBLES_PER_WORD // PAIR):
+        low, high = _prescaled_pair(act_ptrs, act_ok, p)
+        part += e2m1_place(words, PAIR * p) * low
+        part += e2m1_place(words, PAIR * p + 1) * high
+    return tl.sum(part, axis=2)
+
+
+@triton.jit
+def mxfp4_group_dot_pair(words_a, words_b, act_ptrs, act_ok):
+    """mxfp4_group_dot of two weight tiles against one activation load."""
+    part_a = tl.zeros(words_a.shape, tl.float32)
+    part_b = tl.zeros(words_b.shape, tl.float32)
+    for p in tl.static_range(NIBBLES_PER_WORD // PAIR):
+        low, high = _prescaled_pair(act_ptrs, act_ok, p)
+        part_a += e2m1_place(words_a, PAIR * p) * low
+        part_b += e2m1_place(words_b, PAIR * p) * low
+        part_a += e2m1_place(words_a, PAIR * p + 1) * high
+        part_b += e2m1_place(words_b, PAIR * p + 1) * high
+    return tl.sum(part_a, axis=2), tl.sum(part_b, axis=2)
+
+
+@triton.jit
+def _dequant_kernel(
+    packed_ptr,  # u8 [R, C/2]
+    scale_ptr,  # u8 [R, C/32]
+    out_ptr,  # fp32 [R, C] out
+    G_ROW: tl.constexpr,  # C / 32
+    BLOCK_G: tl.constexpr,  # pow2 >= G_ROW
+):
+    """One row per program: the exact dequantised values (a test of the helpers)."""
+    row = tl.program_id(0)
+    rows = row + tl.arange(0, 1)
+    groups = tl.arange(0, BLOCK_G)
+    words, scales = load_mxfp4_tile(packed_ptr, scale_ptr, groups, groups < G_ROW, rows, rows >= 0, G_ROW)
+    word = tl.arange(0, WORDS_PER_GROUP)
+    base = out_ptr + row * (G_ROW * GROUP) + groups[:, None] * GROUP + word[None, :] * NIBBLES_PER_WORD
+    ok = tl.broadcast_to((groups < G_ROW)[:, None], (BLOCK_G, WORDS_PER_GROUP))
+    for k in tl.static_range(NIBBLES_PER_WORD):
+        values = mxfp4_dequant(words, scales, k)
+        tl.store(base + k, tl.reshape(values, (BLOCK_G, WORDS_PER_GROUP)), mask=ok)
+
+
+def launch_dequant(packed, scale, out) -> None:
+    """packed [R, C/2] u8, scale [R, C/32] u8 -> out [R, C] fp32 (exact values)."""
+    rows, groups = scale.shape
+    if packed.shape != (rows, groups * MXFP4_GROUP // _PACKING) or out.shape != (rows, groups * MXFP4_GROUP):
+        raise ValueError(f"launch_dequant: shapes {list(packed.shape)}, {list(scale.shape)}, {list(out.shape)} disagree")
+    if packed.dtype != scale.dtype or packed.dtype.itemsize != 1 or out.dtype.itemsize != 4:
+        raise ValueError("launch_dequant: expected uint8 packed and scale, fp32 out")
+    _dequant_kernel[(rows,)](packed, scale, out, G_ROW=groups, BLOCK_G=triton.next_power_of_2(groups), num_warps=1)

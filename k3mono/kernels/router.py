@@ -1,0 +1,79 @@
+"""Router logits, split by expert rows: rank r's columns of the AG1 logits.
+
+Shapes: S tokens, H hidden, E experts, T ranks, E/T the rank's experts.
+
+    logits[:, r*E/T : (r+1)*E/T] [S, E/T] fp32 = x [S, H] @ router_r [E/T, H].T   (unrounded)
+
+A task owns ``geom.router.rows`` expert rows. The slice is gathered by every
+rank, so ``router_task`` returns the register tile; its caller stores it into
+each destination's logits columns.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import common
+from .gemv import check_rows_contiguous, even_k, gemv_tile, num_tasks, store_rows
+
+
+@triton.jit
+def router_task(
+    task,
+    x_ptr,  # [S, H] bf16
+    stride_xs,
+    w_ptr,  # [E/T, H] bf16
+    stride_wn,
+    S: tl.constexpr,
+    N: tl.constexpr,  # E/T
+    K: tl.constexpr,  # H
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[SP, ROWS] fp32: logits of experts task*ROWS .. of this rank's slice."""
+    return gemv_tile(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr,  # [S, H] bf16
+    stride_xs,
+    w_ptr,  # [E/T, H] bf16
+    stride_wn,
+    out_ptr,  # [S, E/T] fp32: a column slice of logits [S, E]
+    stride_os,
+    S: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    task = tl.program_id(0)
+    tile = router_task(task, x_ptr, stride_xs, w_ptr, stride_wn, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
+    store_rows(out_ptr, stride_os, tile, task * ROWS, S, N, SP, ROWS)
+
+
+def launch_router(x, router_r, logits_out, geom) -> None:
+    """logits_out [S, E/T] fp32 (a column slice of the [S, E] logits; its row
+    stride is used) = x [S, H] bf16 @ router_r [E/T, H] bf16 .T."""
+    S, K = x.shape
+    N = router_r.shape[0]
+    if router_r.shape[1] != K or tuple(logits_out.shape) != (S, N) or S != geom.tokens:
+        raise ValueError(f"launch_router: x {list(x.shape)}, router_r {list(router_r.shape)}, out {list(logits_out.shape)}")
+    for name, t in (("x", x), ("router_r", router_r), ("logits_out", logits_out)):
+        check_rows_contiguous(name, t)
+    tile = geom.router
+    _router_kernel[(num_tasks(N, tile.rows),)](
+        x, x.stride(0), router_r, router_r.stride(0), logits_out, logits_out.stride(0),
+        S=S, N=N, K=K, SP=geom.tokens_pad, ROWS=tile.rows, BLOCK_K=tile.block_k, USE_DOT=geom.use_dot,
+        EVEN_K=even_k(K, tile.block_k), UPCAST=common.UPCAST_DOT, num_warps=tile.warps,
+    )

@@ -1,0 +1,341 @@
+"""The MoE stage kernels (route, expert gate/up, expert down) and the MXFP4
+register dequantisation against the reference (bf16 mode) and mxfp4.dequantize.
+
+Every output starts poisoned (NaN, ids -1) inside a larger poisoned buffer:
+an element the kernel skips stays poisoned, a write outside its region spoils
+poison that must survive.
+
+Tolerances, and why a real bug still fails them:
+
+* Dequantisation and routing ids are exact. Ids go through the same fp32
+  sigmoid + bias on both sides up to an ulp of the sigmoid, far below the
+  gaps between random scores; exact ties are constructed, not left to chance.
+* Route weights: 1e-6 relative (a sigmoid ulp is 6e-8; a wrong or missing
+  renormalisation is off by percents).
+* Expert activations (bf16): g and u are fp32 dots summed in another order
+  than torch's, so a value next to a bf16 rounding boundary may round the
+  other way, and situ carries the flip on. At most 1 % (+1) of the elements
+  may differ, each by at most CHAINED_ULPS bf16 steps (one flip of g or u
+  moves act by about one step, more where situ is steep), or by less than
+  1e-5 of the row's RMS (a value that cancelled to near zero, whose ulp is
+  far below the fp32 error of its terms). Observed: 0.07 % of the elements,
+  1 step except on such near-zero values. Any indexing error (nibble order, scale,
+  expert, row, token) moves nearly every element by many steps; a missing or
+  truncating bf16 rounding moves a third to a half of them.
+* Latent partial (fp32, unrounded): against a float64 sum of the same terms,
+  each element within 1e-5 of sum_j |w_j| (|act_j| @ |w2_j|.T), the size of
+  its terms: fp32 reordering stays near 1e-7 of it, while one wrong, missing
+  or doubled term (a slot, a group, a scale) is about 1 / (K * I/T) of it or
+  more, above 1e-5 at these sizes.
+* The chained check against reference.stages.routed_experts (the tp.py spec
+  with round_outputs=False) adds the exact effect of the act differences
+  above: sum_j |w_j| (|act_kernel - act_ref|_j @ |w2_j|.T).
+
+Run time: the interpreter's cost is per program, so the S = 16 cases run
+with eight times the rows per task: fewer, larger
+programs, the same code with other constexprs. Every other case runs the
+planner's geometry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import pytest
+import torch
+
+from k3mono import mxfp4
+from k3mono.config import preset
+from k3mono.errors import K3InputError
+from k3mono.kernels.experts import launch_expert_down, launch_expert_gate_up
+from k3mono.kernels.mxfp4 import launch_dequant
+from k3mono.kernels.route import launch_route
+from k3mono.planner import stage_geometry
+from k3mono.reference import BF16
+from k3mono.reference import stages as st
+from k3mono.synthetic import random_layer
+from k3mono.weights import shard
+
+TPS = (1, 2, 4)
+TOKENS = (1, 3, 16)
+NAN = float("nan")
+GUARD = 64  # poisoned elements on each side of an output
+ROUTE_REL = 1e-6
+PARTIAL_REL = 1e-5
+CANCEL_REL = 1e-5
+ROUNDED_FRACTION = 0.01
+CHAINED_ULPS = 2
+COARSE_ROWS = 8  # rows-per-task multiplier for the interpreter-heavy cases (masks rows too)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The references are many small torch ops: with intra-op threads they slow
+    down a hundredfold whenever another process holds a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_weights(name: str):
+    return random_layer(preset(name), seed=0)
+
+
+def seed_of(*parts) -> int:
+    """A fresh but reproducible seed per test case (hash() of a str varies per process)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def rank_weights(name: str, tp: int):
+    """The last rank's shard: a nonzero rank for tp > 1, so slicing errors show."""
+    cfg = preset(name)
+    return cfg, shard(layer_weights(name), cfg, tp, tp - 1)
+
+
+def poisoned(shape, dtype, fill):
+    """A view of ``shape`` inside a flat buffer of ``fill`` with GUARD extra on both ends."""
+    n = 1
+    for d in shape:
+        n *= d
+    flat = torch.full((n + 2 * GUARD,), fill, dtype=dtype)
+    return flat, flat[GUARD : GUARD + n].view(shape)
+
+
+def assert_guards(flat: torch.Tensor, fill, name: str) -> None:
+    for part in (flat[:GUARD], flat[-GUARD:]):
+        ok = torch.isnan(part.float()).all() if fill != fill else (part == fill).all()
+        assert ok, f"{name}: written outside its region"
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps (sign-magnitude bits made monotone)."""
+
+    def key(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        mag = bits & 0x7FFF
+        return torch.where(bits < 0, -mag, mag)
+
+    return (key(a) - key(b)).abs()
+
+
+def random_routes(cfg, tokens: int, seed: int):
+    """Reference routes (ids [S, K] int64, weights [S, K] fp32) of random logits."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, cfg.num_experts, generator=g)
+    bias = torch.randn(cfg.num_experts, generator=g) * 0.05
+    return st.route(BF16, logits, bias, cfg.num_experts_per_token, cfg.routed_scaling_factor)
+
+
+def experts_geometry(cfg, tp: int, tokens: int, coarse: bool):
+    geom = stage_geometry(cfg, tp, tokens)
+    if not coarse:
+        return geom
+    more = lambda tile: dataclasses.replace(tile, rows=tile.rows * COARSE_ROWS)  # noqa: E731
+    return dataclasses.replace(geom, expert_gate_up=more(geom.expert_gate_up), expert_down=more(geom.expert_down))
+
+
+def dequant(packed, scale, expert: int) -> torch.Tensor:
+    return mxfp4.dequantize(packed[expert], scale[expert])
+
+
+# -- MXFP4 in registers ------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # 6 * 2^127 is inf, as in the reference
+def test_dequant_every_scale_byte_exact():
+    g = torch.Generator().manual_seed(11)
+    rows, groups = 254, 3  # 3 groups: a masked fourth column in the kernel
+    scale = torch.stack([torch.randperm(254, generator=g) + 1 for _ in range(groups)], dim=1).to(torch.uint8)
+    assert set(scale[:, 0].tolist()) == set(range(1, 255))
+    packed = torch.randint(0, 256, (rows, groups * 16), generator=g, dtype=torch.uint8)
+    packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte: every nibble in both halves
+    flat, out = poisoned((rows, groups * 32), torch.float32, NAN)
+    launch_dequant(packed, scale, out)
+    want = mxfp4.dequantize(packed, scale)
+    # Bitwise: -0 (nibble 8), the subnormal 2^-127 (0.5 at byte 1) and the inf
+    # of 6 * 2^127 must all match.
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    assert_guards(flat, NAN, "dequant")
+
+
+# -- route -----------------------------------------------------------------------------
+
+
+def run_route(cfg, logits, bias):
+    S, K = logits.shape[0], cfg.num_experts_per_token
+    ids_flat, ids = poisoned((S, K), torch.int32, -1)
+    w_flat, w = poisoned((S, K), torch.float32, NAN)
+    launch_route(logits, bias, ids, w, stage_geometry(cfg, 1, S), cfg)
+    assert_guards(ids_flat, -1, "route_ids")
+    assert_guards(w_flat, NAN, "route_w")
+    return ids, w
+
+
+def check_route(cfg, logits, bias):
+    ids, w = run_route(cfg, logits, bias)
+    want_ids, want_w = st.route(BF16, logits, bias, cfg.num_experts_per_token, cfg.routed_scaling_factor)
+    assert torch.equal(ids.long(), want_ids), "route ids differ from the reference"
+    assert torch.isfinite(w).all()
+    rel = ((w.double() - want_w.double()).abs() / want_w.double().abs()).max().item()
+    assert rel <= ROUTE_REL, f"route weights off by {rel:.3g} relative"
+    return ids
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("name", ["tiny", "small", "kimi-k3"])
+def test_route_random(name, tokens):
+    cfg = preset(name)
+    g = torch.Generator().manual_seed(seed_of("route", name, tokens))
+    logits = torch.randn(tokens, cfg.num_experts, generator=g) * 2
+    bias = torch.randn(cfg.num_experts, generator=g) * 0.05
+    check_route(cfg, logits, bias)
+
+
+@pytest.mark.parametrize("name", ["tiny", "kimi-k3"])
+def test_route_exact_tie_at_the_boundary(name):
+    """Two experts with equal biased scores in places K and K+1: the lower id is in."""
+    cfg = preset(name)
+    K, S = cfg.num_experts_per_token, 4
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(S, cfg.num_experts, generator=g)
+    bias = torch.randn(cfg.num_experts, generator=g) * 0.05
+    pairs = []
+    for s in range(S):
+        order = torch.argsort(torch.sigmoid(logits[s]) + bias, descending=True)
+        inside, outside = int(order[K - 1]), int(order[K])
+        # Alternate which of the two carried the higher score before the tie.
+        low, high = sorted((inside, outside))
+        keep, copy = (high, low) if s % 2 else (low, high)
+        logits[s, copy] = logits[s, keep]
+        bias[copy] = bias[keep]  # shared by every token: later tokens re-check their own pair
+        pairs.append((low, high))
+    for s, (low, high) in enumerate(pairs):
+        scores = torch.sigmoid(logits[s]) + bias
+        assert scores[low] == scores[high]
+    ids = check_route(cfg, logits, bias)
+    for s, (low, high) in enumerate(pairs):
+        scores = torch.sigmoid(logits[s]) + bias
+        above = int((scores > scores[low]).sum())
+        if above == K - 1:  # the pair still straddles the boundary
+            assert low in ids[s].tolist() and high not in ids[s].tolist()
+
+
+def test_route_all_equal_scores_pick_the_lowest_ids():
+    cfg = preset("small")
+    S = 2
+    logits = torch.zeros(S, cfg.num_experts)
+    bias = torch.zeros(cfg.num_experts)
+    ids = check_route(cfg, logits, bias)
+    assert ids.tolist() == [list(range(cfg.num_experts_per_token))] * S
+
+
+# -- experts ---------------------------------------------------------------------------
+
+
+def run_experts(cfg, w, geom, z, ids, route_w, tp: int):
+    S, K, L = z.shape[0], cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    I_r = cfg.moe_intermediate_size // tp
+    act_flat, act = poisoned((S, K, I_r), torch.bfloat16, NAN)
+    launch_expert_gate_up(z, ids, w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, act, geom, cfg)
+    assert_guards(act_flat, NAN, "expert_act")
+    # The partial lands in one rank's slot of an AR2-shaped buffer, as in the staged driver.
+    ar2 = torch.full((tp + 1, S, L), NAN)
+    launch_expert_down(act, ids, route_w, w.w2_packed, w.w2_scale, ar2[tp - 1], geom, cfg)
+    others = [t for t in range(tp + 1) if t != tp - 1]
+    assert torch.isnan(ar2[others]).all(), "latent_partial: written outside its slot"
+    return act, ar2[tp - 1]
+
+
+def reference_act(cfg, w, z, ids) -> torch.Tensor:
+    S, K = ids.shape
+    out = torch.empty(S, K, w.w1_packed.shape[1])
+    for s in range(S):
+        for j in range(K):
+            e = int(ids[s, j])
+            w1, w3 = dequant(w.w1_packed, w.w1_scale, e), dequant(w.w3_packed, w.w3_scale, e)
+            out[s, j] = st.expert_hidden(BF16, z[s : s + 1].float(), w1, w3, cfg)[0]
+    return out
+
+
+def down_terms(w, ids, route_w, act):
+    """(float64 sum_j w_j act_j @ w2_j.T, sum_j |w_j| |act_j| @ |w2_j|.T), each [S, L]."""
+    S, K = ids.shape
+    exact = torch.zeros(S, w.w2_packed.shape[1], dtype=torch.float64)
+    size = torch.zeros_like(exact)
+    for s in range(S):
+        for j in range(K):
+            w2 = dequant(w.w2_packed, w.w2_scale, int(ids[s, j])).double()
+            a = act[s, j].double()
+            exact[s] += float(route_w[s, j]) * (a @ w2.T)
+            size[s] += abs(float(route_w[s, j])) * (a.abs() @ w2.abs().T)
+    return exact, size
+
+
+def assert_act(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.isfinite(got.float()).all(), "expert_act: unwritten elements"
+    want = want.to(torch.bfloat16)
+    ulps = bf16_ulps(got, want)
+    off = int((ulps > 0).sum())
+    assert off <= 1 + ROUNDED_FRACTION * got.numel(), f"expert_act: {off} of {got.numel()} elements off"
+    rms = want.float().pow(2).mean(dim=-1, keepdim=True).sqrt()
+    far = (got.float() - want.float()).abs() > CANCEL_REL * rms
+    worst = int(ulps[far].max()) if far.any() else 0
+    assert worst <= CHAINED_ULPS, f"expert_act: an element {worst} bf16 ulps off"
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, name: str) -> None:
+    assert torch.isfinite(got).all(), f"{name}: unwritten elements"
+    err = (got.double() - want.double()).abs()
+    worst = (err / (bound + 1e-30)).max().item()
+    assert worst <= 1.0, f"{name}: error {worst:.3g} x the bound"
+
+
+EXPERT_CASES = [(name, tp, s, s == 16) for name in ("tiny", "small") for tp in TPS for s in TOKENS]
+
+
+@pytest.mark.parametrize("name,tp,tokens,coarse", EXPERT_CASES)
+def test_experts(name, tp, tokens, coarse):
+    cfg, w = rank_weights(name, tp)
+    geom = experts_geometry(cfg, tp, tokens, coarse)
+    seed = seed_of("experts", name, tp, tokens)
+    ids, route_w = random_routes(cfg, tokens, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    z = torch.randn(tokens, cfg.routed_expert_hidden_size, generator=g).to(torch.bfloat16)
+
+    act, partial = run_experts(cfg, w, geom, z, ids.to(torch.int32), route_w, tp)
+
+    # gate/up + situ against the reference expert_hidden on the rank's slice.
+    want_act = reference_act(cfg, w, z, ids)
+    assert_act(act, want_act)
+
+    # down: the same act in, float64 sum of the same terms.
+    exact, size = down_terms(w, ids, route_w, act.float())
+    assert_within(partial, exact, PARTIAL_REL * size, "latent_partial")
+
+    # The chain against the spec: reference.tp's per-rank routed_experts (no rounding).
+    spec = st.routed_experts(BF16, z.float(), ids, route_w, w, cfg, round_outputs=False)
+    _, act_gap = down_terms(w, ids, route_w, act.float() - want_act)
+    assert_within(partial, spec.double(), PARTIAL_REL * size + act_gap * (1 + PARTIAL_REL), "latent_partial vs spec")
+
+
+def test_expert_launchers_check_their_inputs():
+    cfg, w = rank_weights("tiny", 2)
+    S, K, L = 1, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    geom = stage_geometry(cfg, 2, S)
+    ids = torch.zeros(S, K, dtype=torch.int32)
+    act = torch.zeros(S, K, cfg.moe_intermediate_size // 2, dtype=torch.bfloat16)
+    with pytest.raises(K3InputError, match="z"):
+        launch_expert_gate_up(
+            torch.zeros(S, L), ids, w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, act, geom, cfg
+        )
+    with pytest.raises(K3InputError, match="w2_scale"):
+        launch_expert_down(act, ids, torch.zeros(S, K), w.w2_packed, w.w1_scale, torch.zeros(S, L), geom, cfg)
+    with pytest.raises(K3InputError, match="route_ids"):
+        launch_route(torch.zeros(S, cfg.num_experts), w.router_bias, ids.long(), torch.zeros(S, K), geom, cfg)

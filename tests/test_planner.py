@@ -1,0 +1,500 @@
+"""The mono launch's planner (CPU): order, flags, coverage, bytes, encoding,
+and a discrete-event simulation of T ranks' CTAs walking the table."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter, defaultdict
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from k3mono.cli import main
+from k3mono.config import preset
+from k3mono.errors import K3InputError
+from k3mono.floor import floor_bytes
+from k3mono.layout import peer_layout, scratch_layout
+from k3mono.planner import (
+    COL,
+    MAX_WAITS,
+    PEER_FLAGS,
+    TABLE_COLUMNS,
+    Flag,
+    MonoOptions,
+    TaskKind,
+    plan,
+)
+
+SMS = (132, 256, 1, 7, 100)  # H200, MI355X, and odd counts
+TOKENS = (1, 4, 16)
+CONFIGS = (
+    [("kimi-k3", tp, s) for tp in (1, 2, 8) for s in TOKENS]
+    + [("tiny", tp, s) for tp in (1, 2) for s in TOKENS]
+    + [("small", 8, s) for s in TOKENS]
+)
+SIM_CASES = [(name, tp, s, sms) for name, tp, s in CONFIGS for sms in SMS]
+
+KIND_ORDER = [
+    TaskKind.OPROJ,
+    TaskKind.REDUCE1,
+    TaskKind.SEAM,
+    TaskKind.ROUTER,
+    TaskKind.LATENT_DOWN,
+    TaskKind.SHARED_GU,
+    TaskKind.ROUTE,
+    TaskKind.EXPERT_GU,
+    TaskKind.EXPERT_DOWN,
+    TaskKind.LATENT_NORM,
+    TaskKind.FINAL,
+    TaskKind.REDUCE3,
+]
+
+
+@lru_cache(maxsize=None)
+def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False):
+    return plan(preset(name), tp, tokens, sms, MonoOptions(prefetch_final=prefetch_final))
+
+
+def raisers_of(table) -> dict:
+    """(flag, index) -> tickets raising it."""
+    out = defaultdict(list)
+    for task in table.tasks:
+        for r in task.raises:
+            out[(r.flag, r.index)].append(task.ticket)
+    return out
+
+
+# -- order and flags ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, prefetch):
+    table = table_for(name, tp, tokens, prefetch_final=prefetch)
+    raisers = raisers_of(table)
+    for task in table.tasks:
+        assert len(task.waits) <= MAX_WAITS and len(task.raises) <= 1
+        for wait in task.waits:
+            assert wait.sources == tuple(raisers[(wait.flag, wait.index)]), (task, wait.flag)
+            # the same task on every other rank has the same ticket: lower there too
+            assert wait.sources and max(wait.sources) < task.ticket, (task.ticket, task.kind, wait.flag)
+    assert [t.ticket for t in table.tasks] == list(range(len(table.tasks)))
+
+
+@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+def test_every_flag_is_raised_exactly_its_count_and_every_raise_is_awaited(name, tp, tokens):
+    table = table_for(name, tp, tokens)
+    raisers = raisers_of(table)
+    counts = {}
+    for task in table.tasks:
+        for wait in task.waits:
+            counts.setdefault((wait.flag, wait.index), set()).add(wait.count)
+    assert set(counts) == set(raisers), "a flag raised but never awaited, or awaited but never raised"
+    for (flag, index), needed in counts.items():
+        assert len(needed) == 1, f"{flag.name}[{index}]: waiters disagree on the count {needed}"
+        per_launch = len(raisers[(flag, index)]) * (tp if flag in PEER_FLAGS else 1)
+        assert needed == {per_launch}, f"{flag.name}[{index}]: raised {per_launch} times a launch, awaited {needed}"
+
+
+@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+def test_flag_words_are_distinct_and_in_range(name, tp, tokens):
+    table = table_for(name, tp, tokens)
+    words = {}
+    for flag, slots in table.flag_slots:
+        for index in range(slots):
+            word = table.flag_word(flag, index)
+            assert word not in words and 0 <= word < table.num_flag_words
+            words[word] = (flag, index)
+            assert table.flag_of_word(word) == (flag, index)
+    assert len(words) == table.num_flag_words
+    assert {flag for flag, _ in table.flag_slots} == set(Flag)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_kinds_come_in_the_documented_order(prefetch):
+    table = table_for("kimi-k3", 8, 4, prefetch_final=prefetch)
+    kinds = [group.kind for group in table.groups()]
+    expected = list(KIND_ORDER)
+    if prefetch:
+        expected.insert(expected.index(TaskKind.LATENT_NORM), TaskKind.PREFETCH_FINAL)
+    assert kinds == expected
+    # the MoE's static weights are right behind the seam: they stream while AR1 settles
+    first = {g.kind: g.tasks[0].ticket for g in table.groups()}
+    seam_end = table.groups()[kinds.index(TaskKind.SEAM)].tasks[-1].ticket
+    assert first[TaskKind.ROUTER] == seam_end + 1
+
+
+def test_expert_tasks_load_after_the_routes_and_wait_for_data_after_loading():
+    table = table_for("kimi-k3", 8, 4)
+    for task in table.tasks:
+        if task.kind in (TaskKind.EXPERT_GU, TaskKind.EXPERT_DOWN):
+            assert [w.before_loads for w in task.waits] == [True, False]
+            assert task.waits[0].flag == Flag.ROUTED and task.waits[0].index == task.token
+        else:
+            assert not any(w.before_loads for w in task.waits)
+
+
+# -- coverage ------------------------------------------------------------------------
+
+
+def coverage_arrays(table):
+    """Zero counters for every region a task writes, with one rank's shapes."""
+    cfg, tp, S = table.cfg, table.tp, table.tokens
+    shapes = {name: shape for name, (_, shape, _) in {**peer_layout(cfg, tp, S), **scratch_layout(cfg, tp, S)}.items()}
+    shapes.pop("__end__")
+    shapes["prefix"] = shapes["out"] = (S, cfg.hidden_size)
+    return {name: np.zeros(shape, dtype=np.int32) for name, shape in shapes.items()}
+
+
+@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, prefetch):
+    """On each rank: its own writes to local regions, and every rank's pushes
+    into its peer regions (the same for every receiving rank)."""
+    table = table_for(name, tp, tokens, prefetch_final=prefetch)
+    local = coverage_arrays(table)  # any one rank: the table is the same on all
+    peer = coverage_arrays(table)  # what lands in a rank's peer regions, from all ranks
+    for rank in range(tp):
+        for task in table.tasks:
+            for write in table.writes(task, rank):
+                if write.every_rank:
+                    peer[write.region][write.index] += 1
+                elif rank == 0:
+                    local[write.region][write.index] += 1
+    peer_regions = {"ar1", "logits", "z", "ar2", "ar3"}
+    for region in peer_regions:
+        assert (peer[region] == 1).all(), f"{region}: counts {np.unique(peer[region])}"
+        assert (local[region] == 0).all()
+    for region in set(local) - peer_regions:
+        assert (local[region] == 1).all(), f"{region}: counts {np.unique(local[region])}"
+        assert (peer[region] == 0).all()
+
+
+# -- bytes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_streamed_weight_bytes_equal_the_floor(name, tp, tokens, prefetch):
+    table = table_for(name, tp, tokens, prefetch_final=prefetch)
+    cfg = preset(name)
+    floor = floor_bytes(cfg, tp, tokens, unique_experts=tokens * cfg.num_experts_per_token)
+    summary = table.summary()
+    assert summary.weights_by_tensor == floor["weights"]
+    assert summary.weight_bytes == floor["weight_bytes"]
+
+
+def test_prefetch_moves_final_weights_into_the_prefetch_tasks():
+    plain, prefetched = table_for("kimi-k3", 8, 1), table_for("kimi-k3", 8, 1, prefetch_final=True)
+    final = [t for t in prefetched.tasks if t.kind == TaskKind.FINAL]
+    fetch = [t for t in prefetched.tasks if t.kind == TaskKind.PREFETCH_FINAL]
+    assert all(t.weight_bytes == 0 for t in final)
+    assert [t.span for t in fetch] == [t.span for t in final]
+    plain_final = sum(t.weight_bytes for t in plain.tasks if t.kind == TaskKind.FINAL)
+    assert sum(t.weight_bytes for t in fetch) == plain_final > 0
+    assert all(not t.waits and not t.raises for t in fetch)
+    assert MonoOptions.from_bits(prefetched.options.bits()) == prefetched.options
+
+
+def test_floor_matches_the_measured_tp8_numbers():
+    """design-brief.md: 105 MB at S = 1 (24.6 us at 4.25 TB/s), 49.4 us at S = 4, 148.5 us at S = 16."""
+    cfg = preset("kimi-k3")
+    bandwidth = 4.25e12
+    for tokens, micros in ((1, 24.6), (4, 49.4), (16, 148.5)):
+        floor = floor_bytes(cfg, 8, tokens)
+        assert floor["total"] / bandwidth * 1e6 == pytest.approx(micros, rel=0.025)
+    weights = floor_bytes(cfg, 8, 1)["weights"]
+    assert weights["o_proj"] == 7168 * 1536 * 2
+    assert sum(weights[n] for n in ("shared_gate", "shared_up", "shared_down")) == 3 * 768 * 7168 * 2
+
+
+def test_floor_counts_distinct_experts_and_validates():
+    cfg = preset("tiny")
+    one = floor_bytes(cfg, 2, 4, unique_experts=1)["weights"]["w2_packed"]
+    assert floor_bytes(cfg, 2, 4, unique_experts=5)["weights"]["w2_packed"] == 5 * one
+    assert floor_bytes(cfg, 2, 16) == floor_bytes(cfg, 2, 16, unique_experts=cfg.num_experts)  # min(S*K, E)
+    blocks = floor_bytes(cfg, 2, 4, nblocks=3)["activations"]["blocks"]
+    assert blocks == 4 * 3 * cfg.hidden_size * 2
+    for kwargs in ({"tokens": 0}, {"tokens": 17}, {"tp": 3}, {"unique_experts": -1}, {"nblocks": 0}):
+        args = {"tp": 2, "tokens": 4, **kwargs}
+        with pytest.raises(K3InputError):
+            floor_bytes(cfg, args.pop("tp"), args.pop("tokens"), **args)
+
+
+# -- encoding and CTA count ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+def test_int_tensor_round_trips(name, tp, tokens):
+    table = table_for(name, tp, tokens, prefetch_final=tokens == 4)
+    encoded = table.as_int_tensor()
+    assert encoded.dtype.is_floating_point is False and encoded.element_size() == 4
+    assert tuple(encoded.shape) == (len(table.tasks), len(TABLE_COLUMNS))
+    assert table.decode_int_tensor(encoded) == [task.row() for task in table.tasks]
+    kinds = encoded[:, COL["kind"]].tolist()
+    assert kinds == [int(t.kind) for t in table.tasks]
+    peers = encoded[:, COL["raise_peer"]].tolist()
+    assert peers == [int(bool(t.raises) and t.raises[0].flag in PEER_FLAGS) for t in table.tasks]
+
+
+@pytest.mark.parametrize("name,tp,tokens,sms", SIM_CASES)
+def test_cta_count_is_one_per_sm_and_at_most_the_tasks(name, tp, tokens, sms):
+    table = table_for(name, tp, tokens, sms)
+    assert table.ctas == min(len(table.tasks), sms)
+    assert table_for(name, tp, tokens, 1 << 20).ctas == len(table.tasks)
+    resident = plan(preset(name), tp, tokens, sms, MonoOptions(ctas_per_sm=4)) if tokens == 1 else None
+    assert resident is None or resident.ctas == min(len(table.tasks), 4 * sms)
+
+
+@pytest.mark.parametrize("name,tp,tokens,sms", [("kimi-k3", 8, 1, 132), ("tiny", 2, 4, 7)])
+def test_simulated_launch_completes_with_several_ctas_an_sm(name, tp, tokens, sms):
+    table = plan(preset(name), tp, tokens, sms, MonoOptions(ctas_per_sm=4))
+    assert table.ctas == min(len(table.tasks), 4 * sms)
+    assert LaunchSim(table, ranks=tp, ctas=table.ctas).run().done == [len(table.tasks)] * tp
+
+
+def test_plan_rejects_bad_values():
+    cfg = preset("tiny")
+    bad = [
+        dict(tokens=0),
+        dict(tokens=17),
+        dict(tokens=True),
+        dict(tokens=2.0),
+        dict(tp=3),
+        dict(tp=8),  # tiny has 4 heads
+        dict(sms=0),
+        dict(sms=-7),
+        dict(sms=1.5),
+        dict(options="prefetch"),
+        dict(options=MonoOptions(ctas_per_sm=0)),
+    ]
+    for override in bad:
+        args = {"tp": 2, "tokens": 4, "sms": 132, "options": MonoOptions(), **override}
+        with pytest.raises(K3InputError):
+            plan(cfg, **args)
+    with pytest.raises(K3InputError):
+        MonoOptions.from_bits(1 << 5)
+
+
+# -- simulation ------------------------------------------------------------------------------
+
+
+class Deadlock(AssertionError):
+    pass
+
+
+class LaunchSim:
+    """T ranks, each with ``ctas`` CTAs taking tickets in table order (the next
+    one grabbed when a task starts), blocking on waits, raising flags at the end
+    of a task: local flags at once, peer flags on every rank after a link
+    latency. Counters are never cleared; launch e waits for e * count. Ranks run
+    at different speeds with jitter, and ``launches`` back to back, so a fast
+    rank's next launch raises into a slow rank's flags: a wait satisfied only
+    thanks to a later epoch's raises is recorded in ``premature``."""
+
+    LINK_LATENCY = 3.0
+    TASK_OVERHEAD = 1.0
+    BYTES_PER_TIME = 16384
+    RANK_SKEW = 0.15  # rank r runs (1 + r * skew) slower
+    LAUNCH_GAP = 2.0
+
+    def __init__(self, table, ranks: int, ctas: int, launches: int = 1, seed: int = 0):
+        self.table, self.ranks, self.ctas, self.launches = table, ranks, ctas, launches
+        self.n = len(table.tasks)
+        self.waits = [[(table.flag_word(w.flag, w.index), w.count) for w in t.waits] for t in table.tasks]
+        self.raise_of = [
+            (table.flag_word(t.raises[0].flag, t.raises[0].index), t.raises[0].every_rank) if t.raises else None
+            for t in table.tasks
+        ]
+        rng = random.Random(seed)
+        base = [self.TASK_OVERHEAD + t.weight_bytes / self.BYTES_PER_TIME for t in table.tasks]
+        self.cost = [[b * (1 + r * self.RANK_SKEW) * rng.uniform(0.5, 1.5) for b in base] for r in range(ranks)]
+        words = table.num_flag_words
+        self.count = [[0] * words for _ in range(ranks)]
+        self.by_epoch = [[Counter() for _ in range(words)] for _ in range(ranks)]
+        self.waiters = defaultdict(list)  # (rank, word) -> [(target, cta)]
+        self.next_ticket = [0] * ranks
+        self.epoch = [0] * ranks
+        self.done = [0] * ranks
+        self.finished_at = [[] for _ in range(ranks)]
+        self.premature = []
+        self.events, self.seq, self.now = [], 0, 0.0
+
+    # -- events --------------------------------------------------------------------
+    def _at(self, time, action, *args):
+        self.seq += 1
+        heapq.heappush(self.events, (time, self.seq, action, args))
+
+    def run(self):
+        for rank in range(self.ranks):
+            self._at(0.0, self._start_launch, rank)
+        while self.events:
+            self.now, _, action, args = heapq.heappop(self.events)
+            action(*args)
+        if any(len(f) < self.launches for f in self.finished_at):
+            blocked = [(rank, self.table.flag_of_word(word), [(t, c["cur"]) for t, c in ws])
+                       for (rank, word), ws in self.waiters.items() if ws]
+            raise Deadlock(f"done {self.done} of {self.n}; blocked: {blocked[:6]}")
+        return self
+
+    def _take(self, rank):
+        ticket = self.next_ticket[rank]
+        if ticket >= self.n:
+            return None
+        self.next_ticket[rank] += 1
+        return ticket
+
+    def _start_launch(self, rank):
+        self.epoch[rank] += 1
+        self.next_ticket[rank], self.done[rank] = 0, 0
+        for _ in range(self.ctas):
+            cta = {"rank": rank, "epoch": self.epoch[rank], "cur": self._take(rank), "pos": 0}
+            cta["next"] = self._take(rank)  # grabbed early
+            if cta["cur"] is not None:
+                self._proceed(cta)
+
+    def _proceed(self, cta):
+        rank, epoch, ticket = cta["rank"], cta["epoch"], cta["cur"]
+        waits = self.waits[ticket]
+        while cta["pos"] < len(waits):
+            word, count = waits[cta["pos"]]
+            target = epoch * count
+            if self.count[rank][word] < target:
+                self.waiters[(rank, word)].append((target, cta))
+                return
+            self._check_epochs(rank, word, epoch, target, ticket)
+            cta["pos"] += 1
+        self._at(self.now + self.cost[rank][ticket], self._finish, cta)
+
+    def _check_epochs(self, rank, word, epoch, target, ticket):
+        if self.launches > 1:
+            mine = sum(n for e, n in self.by_epoch[rank][word].items() if e <= epoch)
+            if mine < target:
+                self.premature.append((rank, epoch, ticket, self.table.flag_of_word(word)))
+
+    def _finish(self, cta):
+        rank, ticket = cta["rank"], cta["cur"]
+        raised = self.raise_of[ticket]
+        if raised is not None:
+            word, every_rank = raised
+            if every_rank:
+                self._at(self.now + self.LINK_LATENCY, self._bump_all, word, cta["epoch"], rank)
+                self._bump(rank, word, cta["epoch"])  # the own copy lands at once
+            else:
+                self._bump(rank, word, cta["epoch"])
+        self.done[rank] += 1
+        cta["cur"], cta["pos"] = cta["next"], 0
+        if cta["cur"] is not None:
+            cta["next"] = self._take(rank)
+            self._proceed(cta)
+        elif self.done[rank] == self.n:
+            self.finished_at[rank].append(self.now)
+            if self.epoch[rank] < self.launches:
+                self._at(self.now + self.LAUNCH_GAP, self._start_launch, rank)
+
+    def _bump_all(self, word, epoch, source):
+        for rank in range(self.ranks):
+            if rank != source:
+                self._bump(rank, word, epoch)
+
+    def _bump(self, rank, word, epoch):
+        self.count[rank][word] += 1
+        if self.launches > 1:
+            self.by_epoch[rank][word][epoch] += 1
+        waiting = self.waiters.get((rank, word))
+        if not waiting:
+            return
+        woken = [(t, c) for t, c in waiting if t <= self.count[rank][word]]
+        if woken:
+            self.waiters[(rank, word)] = [(t, c) for t, c in waiting if t > self.count[rank][word]]
+            for target, cta in woken:
+                self._check_epochs(rank, word, cta["epoch"], target, cta["cur"])
+                cta["pos"] += 1
+                self._proceed(cta)
+
+
+@pytest.mark.parametrize("name,tp,tokens,sms", SIM_CASES)
+def test_simulated_launch_completes_on_every_grid(name, tp, tokens, sms):
+    table = table_for(name, tp, tokens, sms)
+    sim = LaunchSim(table, ranks=tp, ctas=table.ctas, seed=sms).run()
+    assert sim.done == [len(table.tasks)] * tp
+
+
+@pytest.mark.parametrize("name,tp,tokens,sms", [("kimi-k3", 8, 4, 7), ("small", 8, 16, 100), ("tiny", 2, 16, 1),
+                                                ("tiny", 2, 4, 256), ("kimi-k3", 2, 1, 132)])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_back_to_back_launches_never_see_a_later_epochs_raises(name, tp, tokens, sms, prefetch):
+    """Counters are never cleared: a fast rank's next launch raises into a slow
+    rank's flags; no wait may be satisfied by those."""
+    table = table_for(name, tp, tokens, sms, prefetch_final=prefetch)
+    sim = LaunchSim(table, ranks=tp, ctas=table.ctas, launches=3, seed=tokens).run()
+    assert sim.premature == []
+    assert all(len(f) == 3 for f in sim.finished_at)
+
+
+@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+def test_one_program_walks_the_table_in_order_with_loopback_peers(name, tp, tokens):
+    """The interpreter: rank 0 alone, one program, every other rank's pushes
+    written beforehand. No wait may find its flag short."""
+    table = table_for(name, tp, tokens, 1)
+    count = Counter()
+    for task in table.tasks:
+        for r in task.raises:
+            if r.every_rank:
+                count[(r.flag, r.index)] += tp - 1
+    for task in table.tasks:
+        for wait in task.waits:
+            assert count[(wait.flag, wait.index)] >= wait.count, (task.ticket, task.kind, wait.flag)
+        for r in task.raises:
+            count[(r.flag, r.index)] += 1
+
+
+def test_the_simulation_detects_a_deadlocking_order():
+    table = table_for("tiny", 1, 1, 1)
+    reversed_table = type(table)(**{**table.__dict__, "tasks": tuple(reversed(table.tasks))})
+    with pytest.raises(Deadlock):
+        LaunchSim(reversed_table, ranks=1, ctas=1).run()
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+
+def test_cli_plan_prints_a_line_per_group_and_the_summary(capsys):
+    assert main(["plan", "--tokens", "4", "--tp", "8", "--sms", "132"]) == 0
+    out = capsys.readouterr().out
+    table = table_for("kimi-k3", 8, 4)
+    for group in table.groups():
+        assert f"{group.tasks[0].ticket}-{group.tasks[-1].ticket}" in out and group.kind.name in out
+    summary = table.summary()
+    assert f"summary: {summary.tasks} tasks, 132 CTAs, {summary.weight_bytes / 1e6:.3f} MB" in out
+    assert f"{summary.waits} waits" in out
+    floor = floor_bytes(preset("kimi-k3"), 8, 4, 64)
+    assert f"{floor['total'] / 1e6:.3f} MB" in out
+
+
+def test_cli_plan_options_and_presets(capsys):
+    assert main(["plan", "--tokens", "2", "--tp", "2", "--sms", "7", "--preset", "tiny", "--prefetch-final"]) == 0
+    out = capsys.readouterr().out
+    assert "PREFETCH_FINAL" in out and ", 7 CTAs" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tokens", "17", "--tp", "8", "--sms", "132"], "tokens"),
+        (["--tokens", "0", "--tp", "8", "--sms", "132"], "tokens"),
+        (["--tokens", "1", "--tp", "3", "--sms", "132"], "tp"),
+        (["--tokens", "1", "--tp", "8", "--sms", "0"], "sms"),
+        (["--tokens", "1", "--tp", "8", "--sms", "132", "--preset", "tiny"], "does not divide"),
+        (["--tokens", "1", "--tp", "8", "--sms", "132", "--nblocks", "0"], "nblocks"),
+        (["--tokens", "1", "--tp", "8", "--sms", "132", "--ctas-per-sm", "0"], "ctas_per_sm"),
+    ],
+)
+def test_cli_plan_bad_value_is_one_line_and_exit_2(args, message, capsys):
+    assert main(["plan", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("k3mono: error:") and message in lines[0]
