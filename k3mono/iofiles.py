@@ -16,8 +16,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import MAX_TOKENS, K3Config
+from .config import K3Config
 from .errors import K3InputError, expect_dtype, expect_tensor
+from .validate import check_layer_inputs
 from .weights import BF16, FP32
 
 INPUT_NAMES = ("core", "prefix", "blocks")
@@ -31,12 +32,9 @@ def read_inputs(path, cfg: K3Config, layer: int) -> dict[str, torch.Tensor]:
     for name in INPUT_NAMES:
         if name not in tensors:
             raise K3InputError(f"inputs {path}: tensor {name} is missing (expected {', '.join(INPUT_NAMES)})")
-        expect_dtype(f"inputs {name}", tensors[name], BF16)
-    tokens = _tokens(tensors["core"], cfg)
-    H = cfg.hidden_size
-    expect_tensor("inputs prefix", tensors["prefix"], (tokens, H), BF16)
-    _check_blocks(tensors["blocks"], tokens, cfg, layer)
-    return {name: tensors[name] for name in INPUT_NAMES}
+    inputs = {name: tensors[name] for name in INPUT_NAMES}
+    check_layer_inputs(cfg, layer, **inputs)
+    return inputs
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -46,29 +44,6 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise K3InputError(f"inputs: {path} is not a readable safetensors file ({err})") from None
-
-
-def _tokens(core: torch.Tensor, cfg: K3Config) -> int:
-    """S, read off core [S, C]; every other tensor must agree with it."""
-    if core.dim() != 2 or core.shape[1] != cfg.core_width:
-        raise K3InputError(f"inputs core: expected shape [S, {cfg.core_width}], got {list(core.shape)}")
-    tokens = core.shape[0]
-    if tokens > MAX_TOKENS:
-        raise K3InputError(f"inputs core: too many tokens: expected at most {MAX_TOKENS}, got {tokens}")
-    if tokens < 1:
-        raise K3InputError(f"inputs core: expected at least 1 token, got {tokens}")
-    return tokens
-
-
-def _check_blocks(blocks: torch.Tensor, tokens: int, cfg: K3Config, layer: int) -> None:
-    H = cfg.hidden_size
-    if blocks.dim() != 3 or blocks.shape[0] != tokens or blocks.shape[2] != H:
-        raise K3InputError(f"inputs blocks: expected shape [{tokens}, nb_max, {H}], got {list(blocks.shape)}")
-    nb = cfg.num_blocks(layer)
-    if blocks.shape[1] < nb:
-        raise K3InputError(
-            f"inputs blocks: expected at least {nb} AttnRes blocks for layer {layer}, got {blocks.shape[1]}"
-        )
 
 
 def write_outputs(path, moe_out, prefix, route_ids, route_weights) -> None:

@@ -13,24 +13,30 @@ from .errors import K3InputError, expect_tensor
 
 
 def check_tokens(tokens: int) -> None:
-    if not 1 <= tokens <= MAX_TOKENS:
-        raise K3InputError(f"too many tokens: expected 1 to {MAX_TOKENS} tokens a call, got {tokens}")
+    if tokens > MAX_TOKENS:
+        raise K3InputError(f"too many tokens: expected at most {MAX_TOKENS}, got {tokens}")
+    if tokens < 1:
+        raise K3InputError(f"expected at least 1 token, got {tokens}")
+
+
+def _shape(t) -> str:
+    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def check_layer_inputs(cfg: K3Config, layer: int, core, prefix, blocks) -> int:
     """Raise a K3InputError on any wrong shape, dtype or count; return S."""
     cfg.validate_layer(layer)
-    if not isinstance(core, torch.Tensor) or core.dim() != 2:
-        got = list(core.shape) if isinstance(core, torch.Tensor) else type(core).__name__
-        raise K3InputError(f"core: expected shape [S, {cfg.core_width}], got {got}")
+    C, H = cfg.core_width, cfg.hidden_size
+    if not isinstance(core, torch.Tensor) or core.dim() != 2 or core.shape[1] != C:
+        raise K3InputError(f"core: expected shape [S, {C}], got {_shape(core)}")
     tokens = core.shape[0]
     check_tokens(tokens)
-    H = cfg.hidden_size
-    expect_tensor("core", core, (tokens, cfg.core_width), torch.bfloat16)
+    expect_tensor("core", core, (tokens, C), torch.bfloat16)
     expect_tensor("prefix", prefix, (tokens, H), torch.bfloat16)
+    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 3 or blocks.shape[0] != tokens or blocks.shape[2] != H:
+        raise K3InputError(f"blocks: expected shape [{tokens}, nb_max, {H}], got {_shape(blocks)}")
     nb = cfg.num_blocks(layer)
-    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 3 or blocks.shape[1] < nb:
-        got = list(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
-        raise K3InputError(f"blocks: expected shape [{tokens}, nb_max >= {nb}, {H}] at layer {layer}, got {got}")
-    expect_tensor("blocks", blocks, (tokens, blocks.shape[1], H), torch.bfloat16)
+    if blocks.shape[1] < nb:
+        raise K3InputError(f"blocks: expected at least {nb} AttnRes blocks for layer {layer}, got {blocks.shape[1]}")
+    expect_tensor("blocks", blocks, tuple(blocks.shape), torch.bfloat16)
     return tokens

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from k3mono.cli import main
 from k3mono.iofiles import write_inputs
-from k3mono.synthetic import make_checkpoint, random_inputs
+from k3mono.synthetic import random_inputs
 
 
 @pytest.fixture(scope="module")

@@ -230,7 +230,7 @@ def test_bad_inputs_raise_before_work():
         ("core", good["core"].float(), "core: expected dtype"),
         ("core", good["core"][:, :-1], "core: expected shape"),
         ("prefix", good["prefix"][:1], "prefix: expected shape"),
-        ("blocks", good["blocks"][:, :1], "blocks: expected shape"),
+        ("blocks", good["blocks"][:, :1], "blocks: expected at least 2 AttnRes blocks"),
     ]
     for name, value, message in cases:
         with pytest.raises(K3InputError, match=message):
