@@ -42,7 +42,7 @@ from k3mono.config import preset
 from k3mono.planner import stage_geometry
 from k3mono.reference import BF16
 from k3mono.reference import stages as st
-from k3mono.reference.tp import core_slice, exchange_sum, latent_slice
+from k3mono.reference.tp import combine, core_slice, latent_slice
 from k3mono.synthetic import random_inputs, random_layer
 from k3mono.weights import shard
 
@@ -218,7 +218,7 @@ def test_reduce_prefix(case):
     prefix_in = activations((S, cfg.hidden_size), seed=11 + S)
     prefix = dev(prefix_in.clone())
     launch_reduce_prefix(dev(parts), prefix, geom)
-    o = BF16.round(exchange_sum(list(parts)))
+    o = BF16.round(combine("sum", list(parts)))
     assert_exact(prefix, st.prefix_add(BF16, prefix_in, o), "prefix")
 
 
@@ -230,7 +230,7 @@ def test_final_reduce(case):
     parts = partials((tp, S, cfg.hidden_size), seed=20 + S)
     out = poisoned((S, cfg.hidden_size), torch.bfloat16)
     launch_final_reduce(dev(parts), out, geom)
-    assert_exact(out, BF16.round(exchange_sum(list(parts))), "moe_out")
+    assert_exact(out, BF16.round(combine("sum", list(parts))), "moe_out")
 
 
 def order_sensitive_partials(tp: int, shape, seed: int) -> torch.Tensor:
@@ -251,22 +251,22 @@ def test_reduces_add_in_rank_order():
     parts = order_sensitive_partials(tp, (S, H), seed=1)
     out = poisoned((S, H), torch.bfloat16)
     launch_final_reduce(dev(parts), out, geom)
-    assert_exact(out, BF16.round(exchange_sum(list(parts))), "moe_out")
+    assert_exact(out, BF16.round(combine("sum", list(parts))), "moe_out")
 
     prefix_in = activations((S, H), seed=2)
     prefix = dev(prefix_in.clone())
     launch_reduce_prefix(dev(parts), prefix, geom)
-    assert_exact(prefix, st.prefix_add(BF16, prefix_in, BF16.round(exchange_sum(list(parts)))), "prefix")
+    assert_exact(prefix, st.prefix_add(BF16, prefix_in, BF16.round(combine("sum", list(parts)))), "prefix")
 
     parts = order_sensitive_partials(tp, (S, L), seed=3)
     latent = poisoned((S, L), torch.bfloat16)
     norm = layer_weights("tiny").latent_norm
     launch_latent_norm(dev(parts), dev(norm), cfg.rms_norm_eps, latent, geom)
-    want = st.latent_norm(BF16, exchange_sum(list(parts)), norm, cfg.rms_norm_eps)
+    want = st.latent_norm(BF16, combine("sum", list(parts)), norm, cfg.rms_norm_eps)
     assert_rounded(latent, want, "latent", CHAINED_ULPS)
     # the order matters at all for these inputs:
-    reversed_sum = exchange_sum(list(parts.flip(0)))
-    assert not torch.equal(reversed_sum, exchange_sum(list(parts)))
+    reversed_sum = combine("sum", list(parts.flip(0)))
+    assert not torch.equal(reversed_sum, combine("sum", list(parts)))
 
 
 # -- the AttnRes seam ------------------------------------------------------------------
@@ -372,7 +372,7 @@ def test_latent_norm(case):
     parts = partials((tp, S, cfg.routed_expert_hidden_size), seed=70 + S)
     latent = poisoned((S, cfg.routed_expert_hidden_size), torch.bfloat16)
     launch_latent_norm(dev(parts), dev(w.latent_norm), cfg.rms_norm_eps, latent, geom)
-    want = st.latent_norm(BF16, exchange_sum(list(parts)), w.latent_norm, cfg.rms_norm_eps)
+    want = st.latent_norm(BF16, combine("sum", list(parts)), w.latent_norm, cfg.rms_norm_eps)
     assert_rounded(latent, want, "latent", CHAINED_ULPS)
 
 

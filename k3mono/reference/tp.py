@@ -16,10 +16,18 @@ of each expert's output, so bf16(d_j) of the released model is not reproduced
 (the last-bit difference engines accept), and r and s are rounded once, as
 their sum. Every rank ends with the same o, P, x, routes and y.
 
+Each rank's work is one generator, ``rank_program``: it yields an ``Exchange``
+at each of the points above and is sent back the combined result. The
+single-process driver here runs the T generators in lockstep; a distributed
+driver runs one per process and combines through torch.distributed. Both run
+the same per-rank code.
+
 Shapes: S tokens, H hidden, E experts, L latent, C core width, T ranks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,17 +36,23 @@ from . import stages as st
 from .layer import LayerResult, attnres_seam, finish
 
 
-def exchange_sum(partials: list[torch.Tensor]) -> torch.Tensor:
-    """All-reduce: the sum over ranks, in rank order."""
-    total = partials[0].clone()
-    for part in partials[1:]:
+@dataclass(frozen=True)
+class Exchange:
+    """What a rank contributes at one exchange point."""
+
+    name: str  # "AR1", "AG1 logits", "AG1 z", "AR2", "AR3"
+    kind: str  # "sum" (all-reduce) or "gather" (all-gather along the last dim)
+    part: torch.Tensor  # this rank's partial or slice
+
+
+def combine(kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The exchange's result from every rank's part, in rank order."""
+    if kind == "gather":
+        return torch.cat(parts, dim=-1)
+    total = parts[0].clone()
+    for part in parts[1:]:
         total += part
     return total
-
-
-def exchange_gather(slices: list[torch.Tensor]) -> torch.Tensor:
-    """All-gather along the last dim, rank order."""
-    return torch.cat(slices, dim=-1)
 
 
 def core_slice(core: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
@@ -61,47 +75,52 @@ def check_shards(shards, cfg) -> int:
     return tp
 
 
+def rank_program(core, prefix, blocks, layer, shard, cfg, num, forced_routes, trace):
+    """Rank ``shard.rank``'s layer_post from its own shard: yields each Exchange,
+    is sent its combined result, returns the LayerResult every rank sees."""
+    tp, rank, eps = shard.tp, shard.rank, cfg.rms_norm_eps
+    o = num.round((yield Exchange("AR1", "sum", st.linear(num, core_slice(core, tp, rank), shard.o_proj))))
+    trace["o"] = o
+    prefix_out, x = attnres_seam(num, cfg, layer, prefix, o, blocks, shard, trace)
+    logits = yield Exchange("AG1 logits", "gather", st.router_logits(num, x, shard.router))
+    z = yield Exchange("AG1 z", "gather", st.latent_down(num, x, shard.latent_down))
+    ids, route_weights = st.route(
+        num, logits, shard.router_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor, forced_routes
+    )
+    acc = yield Exchange("AR2", "sum", st.routed_experts(num, z, ids, route_weights, shard, cfg, round_outputs=False))
+    ln = st.latent_norm(num, acc, shard.latent_norm, eps)
+    routed = st.linear(num, latent_slice(ln, tp, rank), shard.latent_up)
+    hidden = st.shared_hidden(num, x, shard.shared_gate, shard.shared_up, cfg)
+    moe_out = num.round((yield Exchange("AR3", "sum", routed + st.linear(num, hidden, shard.shared_down))))
+    trace.update(router_logits=logits, z=z, latent_acc=acc, latent_normed=ln)
+    return finish(num, prefix_out, moe_out, ids, route_weights, trace)
+
+
+def run_lockstep(programs: list) -> list[LayerResult]:
+    """Drive T rank programs in one process: at each exchange every rank must be
+    at the same point; each gets the combination of all ranks' parts."""
+    messages = [next(p) for p in programs]
+    while True:
+        names = {m.name for m in messages}
+        if len(names) != 1:
+            raise RuntimeError(f"ranks disagree on the exchange: {sorted(names)}")
+        result = combine(messages[0].kind, [m.part for m in messages])
+        finished, messages = [], []
+        for program in programs:
+            try:
+                messages.append(program.send(result))
+            except StopIteration as done:
+                finished.append(done.value)
+        if finished:
+            if len(finished) != len(programs):
+                raise RuntimeError("some ranks finished while others wait at an exchange")
+            return finished
+
+
 def layer_post_tp(core, prefix, blocks, layer, shards, cfg, *, mode="bf16", forced_routes=None) -> LayerResult:
     """layer_post over T = len(shards) ranks; returns what every rank sees (rank 0's copy)."""
     check_layer_inputs(cfg, layer, core, prefix, blocks)
-    tp = check_shards(shards, cfg)
+    check_shards(shards, cfg)
     num = st.MODES[mode]
-    eps = cfg.rms_norm_eps
-    ranks = range(tp)
-
-    o_parts = [st.linear(num, core_slice(core, tp, r), shards[r].o_proj) for r in ranks]
-    o = num.round(exchange_sum(o_parts))  # AR1
-
-    trace = {"o": o}  # rank 0's view; every rank computes the same seam from the same o
-    seams = [attnres_seam(num, cfg, layer, prefix, o, blocks, shards[r], trace if r == 0 else {}) for r in ranks]
-    prefix_out = seams[0][0]
-
-    logits = exchange_gather([st.router_logits(num, seams[r][1], shards[r].router) for r in ranks])  # AG1
-    z = exchange_gather([st.latent_down(num, seams[r][1], shards[r].latent_down) for r in ranks])  # AG1
-    routes = [
-        st.route(num, logits, shards[r].router_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor, forced_routes)
-        for r in ranks
-    ]
-    ids, route_weights = routes[0]
-
-    acc_parts = [st.routed_experts(num, z, *routes[r], shards[r], cfg, round_outputs=False) for r in ranks]
-    acc = exchange_sum(acc_parts)  # AR2
-    ln = st.latent_norm(num, acc, shards[0].latent_norm, eps)
-
-    final_parts = []
-    for r in ranks:
-        routed = st.linear(num, latent_slice(ln, tp, r), shards[r].latent_up)
-        hidden = st.shared_hidden(num, seams[r][1], shards[r].shared_gate, shards[r].shared_up, cfg)
-        final_parts.append(routed + st.linear(num, hidden, shards[r].shared_down))
-    moe_out = num.round(exchange_sum(final_parts))  # AR3
-
-    trace.update(
-        o_partials=o_parts,
-        router_logits=logits,
-        z=z,
-        latent_partials=acc_parts,
-        latent_acc=acc,
-        latent_normed=ln,
-        final_partials=final_parts,
-    )
-    return finish(num, prefix_out, moe_out, ids, route_weights, trace)
+    programs = [rank_program(core, prefix, blocks, layer, w, cfg, num, forced_routes, {}) for w in shards]
+    return run_lockstep(programs)[0]
