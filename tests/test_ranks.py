@@ -2,6 +2,7 @@
 exchanges matches the single-process form bit for bit, on every rank."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -50,4 +51,4 @@ def test_a_rank_that_never_arrives_ends_the_others_with_an_error():
     with pytest.raises((ProcessExitedException, ProcessRaisedException)) as err:
         spawn_ranks(2, absent_rank_worker, timeout=timedelta(seconds=20))
     # whichever of the two ends first is named; what matters is that nothing hangs
-    assert "terminated with exit code" in str(err.value)
+    assert re.search(r"[Pp]rocess [01] terminated", str(err.value))
