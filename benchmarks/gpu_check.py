@@ -3,7 +3,13 @@ all eight ranks' shards on the one GPU) against the float64 oracle, on fresh
 random inputs, outputs poisoned before each run, routes compared exactly with
 the bf16 reference, every rank's copy compared bit for bit.
 
-    python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16]
+    python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
+
+The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
+T = 8 with every rank in loopback) eagerly, then captures the T launches in
+one CUDA graph and replays it 3 times, fresh inputs copied into the same
+input buffers before each replay (no other host work: the launch resets its
+ticket counter and advances its epoch itself; parities alternate).
 
 Prints one line per case and exits non-zero on any failure.
 """
@@ -17,6 +23,7 @@ import time
 import torch
 
 from k3mono.config import preset
+from k3mono.mono import MonoRunner
 from k3mono.runner import Oracle
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_shard
@@ -35,10 +42,68 @@ def same_on_every_rank(results) -> bool:
     )
 
 
+def mono_case(cfg, full, shards, tp: int, tokens: int, device) -> int:
+    """Eager + 3 graph replays of the mono launch; returns the number of failures."""
+    failures = 0
+    started = time.time()
+    runner = MonoRunner(cfg, shards, tokens, LAYER)
+    first = {k: v.to(device) for k, v in random_inputs(cfg, tokens, LAYER, seed=77 * tp + tokens).items()}
+    # fixed input buffers: the graph reads these addresses
+    core, prefix, blocks = first["core"].clone(), first["prefix"].clone(), first["blocks"].clone()
+
+    def judge(label, inputs):
+        nonlocal failures
+        oracle = Oracle(cfg, full, inputs, LAYER)
+        results = runner.rank_results()
+        verdicts = [oracle.judge(r.outputs()) for r in results]
+        verdict = verdicts[0]
+        # In loopback each rank ran alone against the staged driver's pushes of the
+        # others, whose fp32 sums are ordered by other kernels' layouts: each rank
+        # is judged on its own; bit-identity across ranks needs ranks run together.
+        agree = same_on_every_rank(results) if tp == 1 else all(v.ok for v in verdicts)
+        ok = verdict.ok and agree and not any(torch.isnan(r.moe_out.float()).any() for r in results)
+        failures += not ok
+        print(
+            f"mono {label} T={tp} S={tokens:>2} epoch {runner.epoch() - 1}: moe err {verdict.moe_err:.2e} "
+            f"(budget {verdict.moe_budget:.2e}) prefix err {verdict.prefix_err:.2e} (budget {verdict.prefix_budget:.2e}) "
+            f"routes {verdict.routes_text} ranks {('agree' if tp == 1 else 'each ok') if agree else 'DIFFER'} "
+            f"{'ok' if ok else 'FAIL'} ({time.time() - started:.0f} s)",
+            flush=True,
+        )
+
+    try:
+        runner(core, prefix, blocks)
+        judge("eager", first)
+        graph = torch.cuda.CUDAGraph()
+        runner.load_inputs(core, prefix, blocks)  # the buffers the graph will read
+        with torch.cuda.graph(graph):
+            for rank in runner.ranks:
+                runner.launch(rank)
+        for replay in range(3):
+            fresh = {k: v.to(device) for k, v in random_inputs(cfg, tokens, LAYER, seed=900 + 10 * replay + tokens).items()}
+            core.copy_(fresh["core"])
+            prefix.copy_(fresh["prefix"])
+            blocks.copy_(fresh["blocks"])
+            runner.load_inputs(core, prefix, blocks)  # copies into the runner's buffers (+ loopback pre-write)
+            runner.poison()
+            graph.replay()
+            torch.cuda.synchronize()
+            runner.check_health()
+            judge(f"graph replay {replay}", fresh)
+    except RuntimeError as error:  # a timeout names rank, task and flag
+        failures += 1
+        print(f"mono T={tp} S={tokens:>2}: FAIL {error}", flush=True)
+    del runner
+    torch.cuda.empty_cache()
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--skip-staged", action="store_true")
+    parser.add_argument("--skip-mono", action="store_true")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     device = torch.device("cuda")
@@ -46,7 +111,7 @@ def main() -> int:
     failures = 0
     for tp in args.tp:
         shards = shard_all(full, cfg, tp) if tp > 1 else [full]
-        for tokens in args.tokens:
+        for tokens in args.tokens if not args.skip_staged else ():
             started = time.time()
             staged = StagedLayer(cfg, shards, tokens, LAYER)
             inputs = {k: v.to(device) for k, v in random_inputs(cfg, tokens, LAYER, seed=31 * tp + tokens).items()}
@@ -59,11 +124,14 @@ def main() -> int:
             print(
                 f"staged T={tp} S={tokens:>2}: moe err {verdict.moe_err:.2e} (budget {verdict.moe_budget:.2e}) "
                 f"prefix err {verdict.prefix_err:.2e} (budget {verdict.prefix_budget:.2e}) "
-                f"routes {'identical' if verdict.routes_identical else 'DIFFER'} ranks {'agree' if agree else 'DIFFER'} "
+                f"routes {verdict.routes_text} ranks {'agree' if agree else 'DIFFER'} "
                 f"{'ok' if ok else 'FAIL'} ({time.time() - started:.0f} s)",
                 flush=True,
             )
             del staged
+        if not args.skip_mono:
+            for tokens in args.tokens:
+                failures += mono_case(cfg, full, shards, tp, tokens, device)
         del shards
         torch.cuda.empty_cache()
     print("gpu_check: all ok" if not failures else f"gpu_check: {failures} FAILED")

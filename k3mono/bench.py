@@ -1,5 +1,6 @@
-"""``python -m k3mono bench``: the staged path, each of its stages, the unfused
-PyTorch path and the memory floor, per token count, on the GPU.
+"""``python -m k3mono bench``: the staged path, each of its stages, the mono
+launch (``time_mono``: ``mono_us``), the unfused PyTorch path and the memory
+floor, per token count, on the GPU.
 
 Two tables: one rank at TP8 (the headline: the per-rank shapes an 8-GPU
 server runs, every weight sharded) and the whole layer at T = 1. One rank's
@@ -115,6 +116,39 @@ def _time_unfused(cfg, weight_sets, tokens: int) -> float | None:
     return seconds
 
 
+def _mono_runners(cfg, tp: int, tokens: int, weight_sets: list) -> list:
+    """One MonoRunner per weight set, rank 0's launch in loopback (T > 1: every
+    rank shares rank 0's tensors; the other ranks' pushes are pre-written by one
+    staged run, into both parities, so every replay finds them)."""
+    from .mono import MonoRunner
+
+    runners = []
+    for seed, shard in enumerate(weight_sets):
+        ranks = [dataclasses.replace(shard, rank=r) for r in range(tp)]
+        runner = MonoRunner(cfg, ranks, tokens, BENCH_LAYER)
+        inputs = random_inputs(cfg, tokens, BENCH_LAYER, seed=1000 + seed)
+        runner.load_inputs(**{k: v.to(shard.o_proj.device) for k, v in inputs.items()})
+        runner._staged = None  # the pre-write's StagedLayer is not needed any more
+        runners.append(runner)
+    torch.cuda.synchronize()
+    return runners
+
+
+def time_mono(cfg, tp: int, tokens: int, weight_sets: list) -> float:
+    """Seconds per mono launch of rank 0 (TP8: loopback; T = 1: the whole layer),
+    CUDA-graph replays over the rotated weight sets (the launch needs no host
+    work between replays: its last CTA resets the ticket counter and advances
+    the epoch). The health buffers are checked after the timing."""
+    runners = _mono_runners(cfg, tp, tokens, weight_sets)
+    seconds = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
+    torch.cuda.synchronize()
+    for runner in runners:
+        runner.check_health()
+    del runners
+    torch.cuda.empty_cache()
+    return seconds
+
+
 def bench_table(cfg, tp: int, tokens_list, bandwidth: float, device) -> list[dict]:
     weight_sets = [random_shard(cfg, tp, seed=s, device=device) for s in range(WEIGHT_SETS)]
     rows = []
@@ -126,6 +160,7 @@ def bench_table(cfg, tp: int, tokens_list, bandwidth: float, device) -> list[dic
         torch.cuda.empty_cache()
         floor = floor_bytes(cfg, tp, tokens, round(unique), nblocks=cfg.num_blocks(BENCH_LAYER))
         unfused = _time_unfused(cfg, weight_sets, tokens)
+        mono = time_mono(cfg, tp, tokens, weight_sets)
         rows.append(
             {
                 "tp": tp,
@@ -135,6 +170,7 @@ def bench_table(cfg, tp: int, tokens_list, bandwidth: float, device) -> list[dic
                 "floor_us": floor["total"] / bandwidth * 1e6,
                 "staged_us": staged * 1e6,
                 "unfused_us": None if unfused is None else unfused * 1e6,
+                "mono_us": mono * 1e6,
                 "stages_us": {k: v * 1e6 for k, v in per_stage.items()},
                 "stage_weight_bytes": floor["weights"],
             }
@@ -146,9 +182,10 @@ def bench_table(cfg, tp: int, tokens_list, bandwidth: float, device) -> list[dic
 def _row_text(row) -> str:
     unfused = "n/a" if row["unfused_us"] is None else f"{row['unfused_us']:9.1f}"
     speedup = "n/a" if row["unfused_us"] is None else f"{row['unfused_us'] / row['staged_us']:5.2f}x"
+    mono = "n/a" if row.get("mono_us") is None else f"{row['mono_us']:8.1f} us ({row['mono_us'] / row['floor_us']:4.2f}x floor)"
     return (
         f"T={row['tp']} S={row['tokens']:>2}  floor {row['floor_us']:7.1f} us  staged {row['staged_us']:8.1f} us "
-        f"({row['staged_us'] / row['floor_us']:4.2f}x floor)  unfused {unfused} us  staged speedup {speedup}"
+        f"({row['staged_us'] / row['floor_us']:4.2f}x floor)  mono {mono} unfused {unfused} us  staged speedup {speedup}"
     )
 
 

@@ -111,5 +111,5 @@ def test_check_passes_on_its_built_in_default(tmp_path, capsys):
     assert main(["check", "--device", "cpu", "--keep", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "all within budget" in table
-    for impl in ("reference", "staged"):
+    for impl in ("reference", "staged", "mono"):
         assert sum(line.startswith(impl) for line in table.splitlines()) == 2 * 3 * 3, impl

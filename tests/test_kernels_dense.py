@@ -441,7 +441,7 @@ _SM90_CHECK = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from k3mono.kernels import attnres, oproj, reduce
+    from k3mono.kernels import attnres, latent_norm, oproj, reduce, route
 
     def compile_sm90(fn, sig, consts):
         # pointers and strides divisible by 16, as a launch with aligned tensors specialises them
@@ -469,7 +469,14 @@ _SM90_CHECK = textwrap.dedent(
                  {"prefix_ptr": "*bf16", "stride_ps": "i32", "blocks_ptr": "*bf16", "stride_bs": "i32",
                   "stride_bn": "i32", "nb": "i32", "ares_norm_ptr": "*bf16", "ares_proj_ptr": "*bf16",
                   "post_norm_ptr": "*bf16", "eps": "fp32", "x_ptr": "*bf16", "stride_xs": "i32"},
-                 dict(H=7168, CANDS=16, VB=1024))
+                 dict(H=7168, CANDS=16, VB=1024, NBP=8))
+    compile_sm90(latent_norm._latent_norm_kernel,
+                 {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "norm_ptr": "*bf16", "eps": "fp32",
+                  "out_ptr": "*bf16", "stride_os": "i32"},
+                 dict(T=8, L=3584, VB=1024))
+    compile_sm90(route._route_kernel,
+                 {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32", "scaling": "fp32"},
+                 dict(E=896, K=16, E_PAD=1024))
     compile_sm90(reduce._reduce_prefix_kernel,
                  {"ar1_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "prefix_ptr": "*bf16", "stride_ps": "i32"},
                  dict(T=8, H=7168, VB=1024))

@@ -50,7 +50,8 @@ from k3mono import mxfp4
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.kernels.experts import launch_expert_down, launch_expert_gate_up
-from k3mono.kernels.mxfp4 import launch_dequant
+from k3mono.kernels import experts as experts_mod
+from k3mono.kernels.mxfp4 import DEQUANT_IMAD, DEQUANT_SHIFT, launch_dequant
 from k3mono.kernels.route import launch_route
 from k3mono.planner import stage_geometry
 from k3mono.reference import BF16
@@ -149,7 +150,8 @@ def dequant(packed, scale, expert: int) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # 6 * 2^127 is inf, as in the reference
-def test_dequant_every_scale_byte_exact():
+@pytest.mark.parametrize("dequant", [DEQUANT_SHIFT, DEQUANT_IMAD])
+def test_dequant_every_scale_byte_exact(dequant):
     g = torch.Generator().manual_seed(11)
     rows, groups = 254, 3  # 3 groups: a masked fourth column in the kernel
     scale = torch.stack([torch.randperm(254, generator=g) + 1 for _ in range(groups)], dim=1).to(torch.uint8)
@@ -157,7 +159,7 @@ def test_dequant_every_scale_byte_exact():
     packed = torch.randint(0, 256, (rows, groups * 16), generator=g, dtype=torch.uint8)
     packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte: every nibble in both halves
     flat, out = poisoned((rows, groups * 32), torch.float32, NAN)
-    launch_dequant(packed, scale, out)
+    launch_dequant(packed, scale, out, dequant)
     want = mxfp4.dequantize(packed, scale)
     # Bitwise: -0 (nibble 8), the subnormal 2^-127 (0.5 at byte 1) and the inf
     # of 6 * 2^127 must all match.
@@ -236,6 +238,33 @@ def test_route_all_equal_scores_pick_the_lowest_ids():
     assert ids.tolist() == [list(range(cfg.num_experts_per_token))] * S
 
 
+def test_route_negative_scores_multiway_ties_and_zero():
+    """The bitwise threshold search (kernels/route.py) on keys of both signs:
+    biased scores below zero, a run of eight equal scores straddling the K
+    boundary (three in, the rest out, by id), and a tie at exactly zero."""
+    cfg = preset("kimi-k3")
+    K, E, S = cfg.num_experts_per_token, cfg.num_experts, 3
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(S, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.05 - 2.0  # every biased score negative
+    # token 1: the 8 best biased scores set equal to the 14th best: places 14..21 tie
+    order = torch.argsort(torch.sigmoid(logits[1]) + bias, descending=True)
+    logits[1, order[13:21]] = logits[1, order[13]].clone()
+    bias[order[13:21]] = bias[order[13]].clone()
+    # token 2: six biased scores of exactly 0.0 at the boundary (sigmoid(0) = 0.5, bias -0.5)
+    logits[2] = -8.0
+    ids0 = torch.arange(K - 2, K + 4) * 7
+    logits[2, ids0] = 0.0
+    bias[ids0] = -0.5
+    zeros = torch.sigmoid(logits[2, ids0]) + bias[ids0]
+    assert (zeros == 0).all()
+    logits[2, : K - 2] = 4.0  # K - 2 clear winners: two of the six zeros get in, the lowest ids
+    bias[: K - 2] = 0.0
+    ids, _ = run_route(cfg, logits, bias)
+    check_route(cfg, logits, bias)
+    assert ids[2].tolist() == sorted(list(range(K - 2)) + ids0[:2].tolist())
+
+
 # -- experts ---------------------------------------------------------------------------
 
 
@@ -298,6 +327,15 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, na
 
 
 EXPERT_CASES = [(name, tp, s, s == 16) for name in ("tiny", "small") for tp in TPS for s in TOKENS]
+# The other MXFP4 placement (the default is mxfp4.DEFAULT_DEQUANT) on a few cases.
+OTHER_PLACEMENT_CASES = [("tiny", 2, 3, False), ("small", 4, 1, False)]
+
+
+@pytest.mark.parametrize("name,tp,tokens,coarse", OTHER_PLACEMENT_CASES)
+def test_experts_other_placement(name, tp, tokens, coarse, monkeypatch):
+    other = DEQUANT_SHIFT if experts_mod.EXPERT_DEQUANT == DEQUANT_IMAD else DEQUANT_IMAD
+    monkeypatch.setattr(experts_mod, "EXPERT_DEQUANT", other)
+    test_experts(name, tp, tokens, coarse)
 
 
 @pytest.mark.parametrize("name,tp,tokens,coarse", EXPERT_CASES)

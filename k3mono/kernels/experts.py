@@ -43,6 +43,7 @@ from ..config import MXFP4_GROUP
 from ..errors import K3InputError, expect_tensor
 from .common import as_f32, situ, to_bf16
 from .mxfp4 import (
+    DEFAULT_DEQUANT,
     OUT_RESCALE,
     act_pair_ptrs,
     e8m0_scale,
@@ -78,6 +79,7 @@ def expert_gate_up_task(
     BLOCK_G: tl.constexpr,  # MXFP4 groups of a row per step
     BETA: tl.constexpr,
     LINEAR_BETA: tl.constexpr,
+    DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
 ):
     """Task = (pair s*K + j, tile of ROWS intermediate rows), pair-major."""
     TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
@@ -103,7 +105,7 @@ def expert_gate_up_task(
         words1, scales1 = load_mxfp4_tile(w1, w1_scale, groups, col_ok, rows, row_ok, G_ROW)
         words3, scales3 = load_mxfp4_tile(w3, w3_scale, groups, col_ok, rows, row_ok, G_ROW)
         a_ptrs, a_ok = act_pair_ptrs(z_ptr + token * L, groups, col_ok)
-        dot1, dot3 = mxfp4_group_dot_pair(words1, words3, a_ptrs, a_ok)
+        dot1, dot3 = mxfp4_group_dot_pair(words1, words3, a_ptrs, a_ok, DEQUANT)
         gate += dot1 * e8m0_scale(scales1)
         up += dot3 * e8m0_scale(scales3)
     g = to_bf16(tl.sum(gate, axis=0) * OUT_RESCALE)
@@ -128,6 +130,7 @@ def _expert_gate_up_kernel(
     BLOCK_G: tl.constexpr,
     BETA: tl.constexpr,
     LINEAR_BETA: tl.constexpr,
+    DEQUANT: tl.constexpr,
 ):
     expert_gate_up_task(
         tl.program_id(0),
@@ -145,6 +148,7 @@ def _expert_gate_up_kernel(
         BLOCK_G,
         BETA,
         LINEAR_BETA,
+        DEQUANT,
     )
 
 
@@ -162,6 +166,7 @@ def expert_down_task(
     I_R: tl.constexpr,  # I/T
     ROWS: tl.constexpr,  # latent rows per task
     BLOCK_G: tl.constexpr,  # (slot, group) columns per step
+    DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
 ):
     """Task = (token, tile of ROWS latent rows), token-major.
 
@@ -194,7 +199,7 @@ def expert_down_task(
         w2_scale = (w2_scale_ptr + expert * (L * G_ROW))[:, None]
         words, scales = load_mxfp4_tile(w2, w2_scale, groups, col_ok, rows, row_ok, G_ROW)
         a_ptrs, a_ok = act_pair_ptrs((act_ptr + pair * I_R)[:, None], groups, col_ok)
-        acc += mxfp4_group_dot(words, a_ptrs, a_ok) * (e8m0_scale(scales) * weight[:, None])
+        acc += mxfp4_group_dot(words, a_ptrs, a_ok, DEQUANT) * (e8m0_scale(scales) * weight[:, None])
     tl.store(out_ptr + token * L + rows, tl.sum(acc, axis=0), mask=row_ok)
 
 
@@ -211,9 +216,10 @@ def _expert_down_kernel(
     I_R: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    DEQUANT: tl.constexpr,
 ):
     expert_down_task(
-        tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R, ROWS, BLOCK_G
+        tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R, ROWS, BLOCK_G, DEQUANT
     )
 
 
@@ -249,8 +255,14 @@ def _block_groups(tile) -> int:
     return tile.block_k // MXFP4_GROUP
 
 
+EXPERT_DEQUANT = DEFAULT_DEQUANT
+"""The MXFP4 placement the launchers compile (kernels/mxfp4.py: DEQUANT_SHIFT
+= 0, DEQUANT_IMAD = 1) unless given ``dequant=``; set this module attribute to
+time both placements in one run (each value compiles its own kernel)."""
+
+
 def launch_expert_gate_up(
-    z, route_ids, w1_packed, w1_scale, w3_packed, w3_scale, expert_act, geom, cfg
+    z, route_ids, w1_packed, w1_scale, w3_packed, w3_scale, expert_act, geom, cfg, dequant=None
 ) -> None:
     """z [S, L] bf16, route_ids [S, K] int32, w1/w3 shards -> expert_act [S, K, I/T] bf16."""
     S, K, L = geom.tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
@@ -287,11 +299,14 @@ def launch_expert_gate_up(
         BLOCK_G=_block_groups(tile),
         BETA=cfg.situ_beta,
         LINEAR_BETA=cfg.situ_linear_beta,
+        DEQUANT=EXPERT_DEQUANT if dequant is None else dequant,
         num_warps=tile.warps,
     )
 
 
-def launch_expert_down(expert_act, route_ids, route_w, w2_packed, w2_scale, latent_partial, geom, cfg) -> None:
+def launch_expert_down(
+    expert_act, route_ids, route_w, w2_packed, w2_scale, latent_partial, geom, cfg, dequant=None
+) -> None:
     """expert_act [S, K, I/T] bf16, routes, w2 shard -> latent_partial [S, L] fp32 (unrounded)."""
     S, K, L = geom.tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
     I_R = _rank_intermediate(cfg, "w2_packed", w2_packed, 2)
@@ -323,5 +338,6 @@ def launch_expert_down(expert_act, route_ids, route_w, w2_packed, w2_scale, late
         I_R=I_R,
         ROWS=tile.rows,
         BLOCK_G=_block_groups(tile),
+        DEQUANT=EXPERT_DEQUANT if dequant is None else dequant,
         num_warps=tile.warps,
     )

@@ -7,9 +7,13 @@ Shapes: T ranks, S tokens, L latent, VB = geom.vector_block columns per step.
     latent [S, L] bf16 = bf16(latent_norm * bf16(a * rsqrt(mean(a^2) + eps)))
 
 The norm needs all of L, so a task is one token, in two sweeps: the first sums
-a^2, the second sums the ranks again (bit-identical: the same additions)
-instead of staging a, and writes the normalised row. The latent is read only
-by this rank's up-projection, so the task stores it directly.
+the ranks (in rank order), rounds a, stages it in the output row and sums a^2;
+the second normalises the staged row in place. Both sweeps are unrolled over
+the L / VB chunks so all their loads are in flight at once: the task is one
+CTA's latency chain (the last token's is on the launch's critical path), so
+what counts is the number of dependent memory round trips (two, plus the
+barrier between), not bandwidth. The latent is read only by this rank's
+up-projection, so the task stores it directly.
 """
 
 from __future__ import annotations
@@ -36,17 +40,25 @@ def latent_norm_task(
     VB: tl.constexpr,
 ):
     offs = tl.arange(0, VB)
+    # (1) a = bf16(sum of the ranks), staged in out; sum of a^2. The chunk loop
+    # is unrolled: every chunk's T rank loads are independent, so they are all
+    # in flight together instead of one chunk's latency after another's.
     sq = tl.zeros([VB], dtype=tl.float32)
-    for c0 in range(0, L, VB):
+    for c0 in tl.static_range(0, L, VB):
         cols = c0 + offs
         m = cols < L
-        a = as_f32(to_bf16(sum_ranks(ar2_ptr, stride_at, stride_as, s, cols, m, T)))
-        sq += a * a
+        a = to_bf16(sum_ranks(ar2_ptr, stride_at, stride_as, s, cols, m, T))
+        tl.store(out_ptr + s * stride_os + cols, a, mask=m)
+        af = as_f32(a)
+        sq += af * af
+    # Sweep 2 reads what other threads of this program stored in sweep 1.
+    tl.debug_barrier()
     r = rsqrt_rn(tl.sum(sq, axis=0) / L + eps)
-    for c0 in range(0, L, VB):
+    # (2) normalise the staged row in place (L / 8 KB, from L1 / L2).
+    for c0 in tl.static_range(0, L, VB):
         cols = c0 + offs
         m = cols < L
-        a = as_f32(to_bf16(sum_ranks(ar2_ptr, stride_at, stride_as, s, cols, m, T)))
+        a = as_f32(tl.load(out_ptr + s * stride_os + cols, mask=m, other=0.0))
         w = as_f32(tl.load(norm_ptr + cols, mask=m, other=0.0))
         tl.store(out_ptr + s * stride_os + cols, to_bf16(w * as_f32(to_bf16(a * r))), mask=m)
 
@@ -80,5 +92,5 @@ def launch_latent_norm(ar2, latent_norm, eps, latent_out, geom) -> None:
             raise ValueError(f"launch_latent_norm: {name} needs unit stride along its last dim")
     _latent_norm_kernel[(S,)](
         ar2, ar2.stride(0), ar2.stride(1), latent_norm, float(eps), latent_out, latent_out.stride(0),
-        T=T, L=L, VB=geom.vector_block, num_warps=geom.vector_warps,
+        T=T, L=L, VB=geom.vector_block, num_warps=geom.latent_norm_warps,
     )

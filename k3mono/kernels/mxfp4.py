@@ -42,6 +42,39 @@ fp32 summation order, within these ranges:
 * scale bytes 1 .. 254. Byte 0 (2^-127, only for groups whose largest
   weight is below 2^-125) reads as 0; byte 255 (E8M0 NaN) as +inf.
 
+Two placements (constexpr ``DEQUANT``, bit-identical results):
+
+* ``DEQUANT_SHIFT`` (0, the first scheme): the three ops above per value.
+* ``DEQUANT_IMAD`` (1, default): a word is first split into four masked
+  words holding one nibble pair 16 bits apart, (0, 4), (1, 5), (2, 6),
+  (3, 7): ``w & 0x000F000F``, ``w & 0x00F000F0`` and the same of ``w >> 8``
+  (five ops per eight values). In a masked word the pair's nibbles are the
+  only bits, so one integer multiply by ``2^a + 2^(a - 6)`` writes the
+  nibble twice, sign on bit 31 (copy ``2^a``) and the three other bits on
+  24..22 (copy ``2^(a - 6)``), the two copies never overlapping (no
+  carries), and the LOP3 keeps bits 31, 24..22:
+
+      bits = (masked * (2^a + 2^(a - 6))) & 0x81C00000
+      a = 28 (low nibble of the pair, even), 24 (low, odd), 12 (high, even), 8 (high, odd)
+
+  Two ops a value (IMAD on the FMA pipe, LOP3 on the ALU pipe) plus 5/8:
+  2.6 integer ops instead of 3, and the half-rate ALU pipe, which bounds
+  the first scheme (SHF.R.S32 + LOP3, 2 of its 3), gets 1.6 a value.
+  ptxas keeps the multiply an IMAD (a shift-add pair would cost what the
+  first scheme does): see tests/test_kernels_moe.py's SASS check.
+
+Why not tensor cores (bf16 placement + tl.dot): two nibbles 16 bits apart
+go into one bf16x2 word in 4 ops (2 a value), but Triton then moves the
+dequantised bf16 tile from its blocked layout into the mma operand layout
+through shared memory (2 bytes written and read a value, beside the packed
+bytes' cp.async round trip), and per-group scales force either one dot per
+group or a bf16 multiply a value (exact only while 2^(s - 1) is a finite
+bf16). Measured before (docs/PERF.md's brief): 27 % against 34 % for the
+fp32 placement. The weights' fixed byte order rules out a load-time
+shuffle; an mma.sync fragment fed in registers (inline PTX, K permuted so
+a thread's fragment is one 32-bit word of a group) would avoid the
+round trip but cannot run in the interpreter.
+
 ``mxfp4_dequant`` returns the exact dequantised values (tests, or a
 tensor-core path): it undoes the 2^-126 before the scale, so every nibble
 and every scale byte 1 .. 254 round-trips bit for bit.
@@ -76,6 +109,14 @@ PAIR = tl.constexpr(2)  # bf16 activations per int32 load
 BF16_SHIFT = tl.constexpr(16)  # a bf16 is the high half of an fp32
 BF16_HIGH_HALF = tl.constexpr(0xFFFF0000 - (1 << 32))  # as the int32 it is
 
+DEQUANT_SHIFT = 0  # shl, sar, and per value (the first scheme)
+DEQUANT_IMAD = 1  # pair masks per word, then imad + and per value
+DEFAULT_DEQUANT = DEQUANT_IMAD
+_IMAD = tl.constexpr(DEQUANT_IMAD)
+PAIR_MASK_EVEN = tl.constexpr(0x000F000F)  # nibbles 0 and 4 (of w, or 2 and 6 of w >> 8)
+PAIR_MASK_ODD = tl.constexpr(0x00F000F0)  # nibbles 1 and 5 (of w, or 3 and 7 of w >> 8)
+PAIR_SPLIT = tl.constexpr(8)  # w >> 8 brings nibbles 2, 3, 6, 7 to 0, 1, 4, 5
+
 
 @triton.jit
 def e2m1_place(words, NIBBLE: tl.constexpr):
@@ -85,16 +126,63 @@ def e2m1_place(words, NIBBLE: tl.constexpr):
 
 
 @triton.jit
+def e2m1_pair_word(words, NIBBLE: tl.constexpr):
+    """The masked word holding nibble NIBBLE (and its partner 4 away) alone."""
+    QUAD: tl.constexpr = NIBBLE % 4  # 0..3: which pair (nibbles k and k + 4 share a word)
+    if QUAD >= 2:
+        src = words >> PAIR_SPLIT  # arithmetic: the sign fill is masked off
+    else:
+        src = words
+    if QUAD % 2 == 1:
+        return src & PAIR_MASK_ODD
+    else:
+        return src & PAIR_MASK_EVEN
+
+
+@triton.jit
+def e2m1_place_imad(masked, NIBBLE: tl.constexpr):
+    """e2m1_place from the pair word of NIBBLE (e2m1_pair_word): one
+    multiply writes the nibble with its sign on bit 31 and its other bits
+    on 24..22; the mask keeps those. Bit-identical to e2m1_place."""
+    # The copy 2^a puts the nibble's sign (bit POS + 3 of its masked word) on
+    # bit 31, the copy 2^(a - 6) its other bits on 24..22: a = 28 - POS, POS
+    # = 0, 4 (low nibble of the pair, even / odd) or 16, 20 (high).
+    # (NIBBLE counts in the word w; 2, 3, 6, 7 sit in w >> 8 like 0, 1, 4, 5.)
+    if NIBBLE < 4:
+        if NIBBLE % 2 == 0:
+            COPIES: tl.constexpr = (1 << 28) + (1 << 22)
+        else:
+            COPIES: tl.constexpr = (1 << 24) + (1 << 18)
+    else:
+        if NIBBLE % 2 == 0:
+            COPIES: tl.constexpr = (1 << 12) + (1 << 6)
+        else:
+            COPIES: tl.constexpr = (1 << 8) + (1 << 2)
+    bits = (masked * COPIES) & PLACE_MASK
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_nibble(words, NIBBLE: tl.constexpr, DEQUANT: tl.constexpr):
+    """Nibble NIBBLE of every word as the fp32 E2M1 * 2^-126 by either
+    placement (the pair masks are common subexpressions across nibbles)."""
+    if DEQUANT == _IMAD:
+        return e2m1_place_imad(e2m1_pair_word(words, NIBBLE), NIBBLE)
+    else:
+        return e2m1_place(words, NIBBLE)
+
+
+@triton.jit
 def e8m0_scale(scale_bytes):
     """uint8 E8M0 bytes 1..254 -> fp32 2^(byte - 127), exact."""
     return (scale_bytes.to(tl.int32) << FP32_EXP_SHIFT).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def mxfp4_dequant(words, scale_bytes, NIBBLE: tl.constexpr):
+def mxfp4_dequant(words, scale_bytes, NIBBLE: tl.constexpr, DEQUANT: tl.constexpr = DEFAULT_DEQUANT):
     """words [G, R, 4] int32, scale_bytes [G, R] uint8 -> fp32 [G, R, 4]:
     element 8w + NIBBLE of each group, exactly mxfp4.dequantize."""
-    return e2m1_place(words, NIBBLE) * E2M1_UNPLACE * e8m0_scale(scale_bytes)[:, :, None]
+    return e2m1_nibble(words, NIBBLE, DEQUANT) * E2M1_UNPLACE * e8m0_scale(scale_bytes)[:, :, None]
 
 
 @triton.jit
@@ -146,28 +234,47 @@ def _prescaled_pair(act_ptrs, act_ok, P: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_group_dot(words, act_ptrs, act_ok):
+def _pair_terms(part, words, low, high, P: tl.constexpr, DEQUANT: tl.constexpr):
+    """part + nibbles 2P and 2P + 1 of every word times their activations (two FFMAs)."""
+    part += e2m1_nibble(words, PAIR * P, DEQUANT) * low
+    part += e2m1_nibble(words, PAIR * P + 1, DEQUANT) * high
+    return part
+
+
+@triton.jit
+def mxfp4_group_dot(words, act_ptrs, act_ok, DEQUANT: tl.constexpr = DEFAULT_DEQUANT):
     """words [G, R, 4] int32, activation pairs at act_ptrs [G, 4] ->
-    [G, R] fp32: each group's sum of E2M1 * a * 2^-63 (scale not applied)."""
-    part = tl.zeros(words.shape, tl.float32)
-    for p in tl.static_range(NIBBLES_PER_WORD // PAIR):
-        low, high = _prescaled_pair(act_ptrs, act_ok, p)
-        part += e2m1_place(words, PAIR * p) * low
-        part += e2m1_place(words, PAIR * p + 1) * high
+    [G, R] fp32: each group's sum of E2M1 * a * 2^-63 (scale not applied).
+
+    Pairs in the order 0, 2, 1, 3: pairs P and P + 2 share the masked words
+    of DEQUANT_IMAD, which then die before the next two are made (fewer
+    live registers; the fp32 sum's order is the compiler's anyway)."""
+    low, high = _prescaled_pair(act_ptrs, act_ok, 0)
+    part = _pair_terms(tl.zeros(words.shape, tl.float32), words, low, high, 0, DEQUANT)
+    low, high = _prescaled_pair(act_ptrs, act_ok, 2)
+    part = _pair_terms(part, words, low, high, 2, DEQUANT)
+    low, high = _prescaled_pair(act_ptrs, act_ok, 1)
+    part = _pair_terms(part, words, low, high, 1, DEQUANT)
+    low, high = _prescaled_pair(act_ptrs, act_ok, 3)
+    part = _pair_terms(part, words, low, high, 3, DEQUANT)
     return tl.sum(part, axis=2)
 
 
 @triton.jit
-def mxfp4_group_dot_pair(words_a, words_b, act_ptrs, act_ok):
+def mxfp4_group_dot_pair(words_a, words_b, act_ptrs, act_ok, DEQUANT: tl.constexpr = DEFAULT_DEQUANT):
     """mxfp4_group_dot of two weight tiles against one activation load."""
-    part_a = tl.zeros(words_a.shape, tl.float32)
-    part_b = tl.zeros(words_b.shape, tl.float32)
-    for p in tl.static_range(NIBBLES_PER_WORD // PAIR):
-        low, high = _prescaled_pair(act_ptrs, act_ok, p)
-        part_a += e2m1_place(words_a, PAIR * p) * low
-        part_b += e2m1_place(words_b, PAIR * p) * low
-        part_a += e2m1_place(words_a, PAIR * p + 1) * high
-        part_b += e2m1_place(words_b, PAIR * p + 1) * high
+    low, high = _prescaled_pair(act_ptrs, act_ok, 0)
+    part_a = _pair_terms(tl.zeros(words_a.shape, tl.float32), words_a, low, high, 0, DEQUANT)
+    part_b = _pair_terms(tl.zeros(words_b.shape, tl.float32), words_b, low, high, 0, DEQUANT)
+    low, high = _prescaled_pair(act_ptrs, act_ok, 2)
+    part_a = _pair_terms(part_a, words_a, low, high, 2, DEQUANT)
+    part_b = _pair_terms(part_b, words_b, low, high, 2, DEQUANT)
+    low, high = _prescaled_pair(act_ptrs, act_ok, 1)
+    part_a = _pair_terms(part_a, words_a, low, high, 1, DEQUANT)
+    part_b = _pair_terms(part_b, words_b, low, high, 1, DEQUANT)
+    low, high = _prescaled_pair(act_ptrs, act_ok, 3)
+    part_a = _pair_terms(part_a, words_a, low, high, 3, DEQUANT)
+    part_b = _pair_terms(part_b, words_b, low, high, 3, DEQUANT)
     return tl.sum(part_a, axis=2), tl.sum(part_b, axis=2)
 
 
@@ -178,6 +285,7 @@ def _dequant_kernel(
     out_ptr,  # fp32 [R, C] out
     G_ROW: tl.constexpr,  # C / 32
     BLOCK_G: tl.constexpr,  # pow2 >= G_ROW
+    DEQUANT: tl.constexpr,
 ):
     """One row per program: the exact dequantised values (a test of the helpers)."""
     row = tl.program_id(0)
@@ -188,15 +296,15 @@ def _dequant_kernel(
     base = out_ptr + row * (G_ROW * GROUP) + groups[:, None] * GROUP + word[None, :] * NIBBLES_PER_WORD
     ok = tl.broadcast_to((groups < G_ROW)[:, None], (BLOCK_G, WORDS_PER_GROUP))
     for k in tl.static_range(NIBBLES_PER_WORD):
-        values = mxfp4_dequant(words, scales, k)
+        values = mxfp4_dequant(words, scales, k, DEQUANT)
         tl.store(base + k, tl.reshape(values, (BLOCK_G, WORDS_PER_GROUP)), mask=ok)
 
 
-def launch_dequant(packed, scale, out) -> None:
+def launch_dequant(packed, scale, out, dequant: int = DEFAULT_DEQUANT) -> None:
     """packed [R, C/2] u8, scale [R, C/32] u8 -> out [R, C] fp32 (exact values)."""
     rows, groups = scale.shape
     if packed.shape != (rows, groups * MXFP4_GROUP // _PACKING) or out.shape != (rows, groups * MXFP4_GROUP):
         raise ValueError(f"launch_dequant: shapes {list(packed.shape)}, {list(scale.shape)}, {list(out.shape)} disagree")
     if packed.dtype != scale.dtype or packed.dtype.itemsize != 1 or out.dtype.itemsize != 4:
         raise ValueError("launch_dequant: expected uint8 packed and scale, fp32 out")
-    _dequant_kernel[(rows,)](packed, scale, out, G_ROW=groups, BLOCK_G=triton.next_power_of_2(groups), num_warps=1)
+    _dequant_kernel[(rows,)](packed, scale, out, G_ROW=groups, BLOCK_G=triton.next_power_of_2(groups), DEQUANT=dequant, num_warps=1)

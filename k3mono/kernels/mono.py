@@ -1,0 +1,394 @@
+"""The mono launch: one persistent kernel per rank walks the planner's task table.
+
+Every CTA takes tickets from a counter in scratch (``ctl[0]``) in table order
+and grabs its NEXT ticket before it runs the current one (the atomic's latency
+hides behind the task). A ticket's row (planner.TABLE_COLUMNS, int32) names
+its kind, tile / span, token, slot, up to MAX_WAITS flag waits and one raise.
+Every wait names flags raised by lower tickets (planner invariant), so any
+grid completes, and the interpreter's single program walks the table in order.
+
+Per task:
+
+1. poll the ``addr_waits`` first waits (the expert ids: they gate the weight
+   addresses of EXPERT_GU / EXPERT_DOWN);
+2. weights before waits (PREFETCH): if one of the remaining waits is not met
+   at its first poll (PREFETCH = 1; always with PREFETCH = 2), the CTA reads
+   the task's weight tile once (ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the
+   chosen experts' rows for EXPERT_GU / EXPERT_DOWN), pulling it into L2
+   while the awaited flag settles; the stage function then reads it from L2.
+   OPROJ has no wait (its weights stream at once); REDUCE*, SEAM, ROUTE and
+   LATENT_NORM read activations only (their small norm vectors are not
+   prefetched). The stage task functions load x and w in one loop, so what is
+   prefetched is an L2 warm-up, not registers kept across the wait;
+3. poll the other waits, in table order;
+4. run the stage task function unchanged, store what it returns: into each of
+   the NP peer buffers for tiles every rank needs (o_proj / final partials to
+   ar slot ``rank``, router logits and z into the rank's columns), then raise
+   the task's flag on each peer (barrier + one release atomic).
+   expert_down_task stores its tile itself: into the own ar2 slot, then (NP > 1)
+   the CTA copies the rows to every peer before raising.
+
+A failed (timed out) wait records itself in the health buffer (sync.py) and
+stops the CTA. On exit every CTA bumps ``ctl[1]``; the last one resets both
+control words and advances the rank's device ``epoch`` word, so the next
+launch (a CUDA-graph replay included) needs no host work.
+
+Peer buffer of a rank, viewed as fp32 / bf16 / int32 (the kernel takes one
+tuple of each view: the interpreter cannot follow pointers loaded from memory):
+
+    [parity 0: layout.peer_layout][parity 1: the same][flags: int32 words]
+
+Epoch e uses parity e & 1; flags hold e * count.
+LOOPBACK (NP = 1, peers = (own,)): the other ranks' pushes are pre-written
+by the host into both parities and the peer waits' counts in the table are
+divided by T (only this rank's own raises arrive).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attnres import attnres_task
+from .experts import expert_down_task, expert_gate_up_task
+from .final import final_task
+from .latent_down import latent_down_task
+from .latent_norm import latent_norm_task
+from .gemv import store_rows
+from .oproj import oproj_task
+from .reduce import final_reduce_chunk, reduce_prefix_chunk
+from .route import route_task
+from .router import router_task
+from .shared import shared_gate_up_task
+from .sync import H_SINK, poll_once, raise_counter, reached, wait_counter
+
+# kind codes (planner.TaskKind)
+K_OPROJ = tl.constexpr(0)
+K_REDUCE1 = tl.constexpr(1)
+K_SEAM = tl.constexpr(2)
+K_ROUTER = tl.constexpr(3)
+K_LATENT_DOWN = tl.constexpr(4)
+K_SHARED_GU = tl.constexpr(5)
+K_ROUTE = tl.constexpr(6)
+K_EXPERT_GU = tl.constexpr(7)
+K_EXPERT_DOWN = tl.constexpr(8)
+K_PREFETCH_FINAL = tl.constexpr(9)
+K_LATENT_NORM = tl.constexpr(10)
+K_FINAL = tl.constexpr(11)
+K_REDUCE3 = tl.constexpr(12)
+
+# int table columns (planner.TABLE_COLUMNS)
+C_KIND = tl.constexpr(0)
+C_TILE = tl.constexpr(1)
+C_START = tl.constexpr(2)
+C_STOP = tl.constexpr(3)
+C_TOKEN = tl.constexpr(4)
+C_SLOT = tl.constexpr(5)
+C_NWAITS = tl.constexpr(6)
+C_NADDR = tl.constexpr(7)
+C_WAIT0 = tl.constexpr(8)  # word, count pairs from here
+C_RAISE = tl.constexpr(12)
+MAX_WAITS = tl.constexpr(2)
+
+
+@triton.jit
+def _touch_rows(
+    w_ptr,  # [N, K] (any element type), rows contiguous
+    row0,
+    row1,  # one past the last row wanted
+    N: tl.constexpr,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,  # power of two >= row1 - row0
+    BK: tl.constexpr,
+):
+    """Read rows row0 .. row1 of w once (an L2 warm-up): a scalar that depends on
+    every element, so the loads cannot be dropped."""
+    rows = tl.minimum(row0 + tl.arange(0, ROWS), tl.minimum(row1, N) - 1)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([ROWS, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        w = tl.load(w_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=((k0 + kk) < K)[None, :], other=0)
+        acc += w.to(tl.float32)
+    return tl.sum(tl.sum(acc, axis=1), axis=0)
+
+
+@triton.jit
+def _wait_word(
+    i: tl.constexpr, row_ptr, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE: tl.constexpr
+):
+    word = tl.load(row_ptr + C_WAIT0 + 2 * i)
+    count = tl.load(row_ptr + C_WAIT0 + 2 * i + 1)
+    return wait_counter(flags_ptr + word, epoch * count, limit, health_ptr, rank, layer, ticket, word, epoch, SCOPE)
+
+
+@triton.jit
+def _would_block(i: tl.constexpr, row_ptr, flags_ptr, epoch, SCOPE: tl.constexpr):
+    word = tl.load(row_ptr + C_WAIT0 + 2 * i)
+    count = tl.load(row_ptr + C_WAIT0 + 2 * i + 1)
+    return (1 - reached(poll_once(flags_ptr + word, SCOPE), epoch * count).to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["nb", "rank", "layer", "spin_limit", "eps", "scaling"])
+def _mono_kernel(
+    table_ptr,  # int32 [NUM_TASKS, NCOL]
+    core_ptr,  # bf16 [S, C/T], row stride stride_cs
+    stride_cs,
+    w_o_ptr,  # bf16 [H, C/T]
+    prefix_ptr,  # bf16 [S, H], updated in place
+    stride_ps,
+    blocks_ptr,  # bf16 [S, nb_max, H]
+    stride_bs,
+    stride_bn,
+    nb,
+    ares_nw_ptr,  # bf16 [H]
+    ares_qk_ptr,  # bf16 [H]
+    in_nw_ptr,  # bf16 [H]
+    eps,
+    w_gate_ptr,  # bf16 [E/T, H]
+    bias_ptr,  # fp32 [E]
+    scaling,
+    w_ld_ptr,  # bf16 [L/T, H]
+    w_sg_ptr,  # bf16 [SI/T, H]
+    w_su_ptr,  # bf16 [SI/T, H]
+    w_sd_ptr,  # bf16 [H, SI/T]
+    w1_ptr,  # u8 [E, I/T, L/2]
+    w1s_ptr,  # u8 [E, I/T, L/32]
+    w3_ptr,
+    w3s_ptr,
+    w2_ptr,  # u8 [E, L, I/(2T)]
+    w2s_ptr,  # u8 [E, L, I/(32T)]
+    ln_w_ptr,  # bf16 [L]
+    w_up_ptr,  # bf16 [H, L/T]
+    out_ptr,  # bf16 [S, H]
+    stride_os,
+    sc_bf16,  # the rank's scratch as bf16 / int32 / fp32
+    sc_i32,
+    sc_f32,
+    own_f32,  # the rank's own peer buffer as fp32 / bf16 / int32
+    own_bf16,
+    own_i32,
+    peers_f32,  # tuples of NP peer buffers (NP = T, or 1 in loopback: (own,))
+    peers_bf16,
+    peers_i32,
+    rank,
+    epoch_ptr,  # int32 [1]: this launch's epoch; the last CTA advances it
+    layer,
+    health_ptr,  # int32 [HEALTH_WORDS]
+    spin_limit,  # polls a wait may take
+    NUM_TASKS: tl.constexpr,
+    NCOL: tl.constexpr,
+    GRID: tl.constexpr,
+    NP: tl.constexpr,
+    T: tl.constexpr,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    H: tl.constexpr,
+    C_R: tl.constexpr,
+    E: tl.constexpr,
+    E_R: tl.constexpr,
+    E_PAD: tl.constexpr,
+    KTOP: tl.constexpr,
+    L: tl.constexpr,
+    L_R: tl.constexpr,
+    I_R: tl.constexpr,
+    SI_R: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    O_ROWS: tl.constexpr,
+    O_BK: tl.constexpr,
+    O_EVEN: tl.constexpr,
+    R_ROWS: tl.constexpr,
+    R_BK: tl.constexpr,
+    R_EVEN: tl.constexpr,
+    LD_ROWS: tl.constexpr,
+    LD_BK: tl.constexpr,
+    LD_EVEN: tl.constexpr,
+    SG_ROWS: tl.constexpr,
+    SG_BK: tl.constexpr,
+    SG_EVEN: tl.constexpr,
+    F_ROWS: tl.constexpr,
+    F_BK: tl.constexpr,
+    F_EVEN_L: tl.constexpr,
+    F_EVEN_S: tl.constexpr,
+    GU_ROWS: tl.constexpr,
+    GU_BG: tl.constexpr,
+    DN_ROWS: tl.constexpr,
+    DN_BG: tl.constexpr,
+    VB: tl.constexpr,
+    CANDS: tl.constexpr,
+    RC1: tl.constexpr,  # power of two >= reduce1 tile columns
+    RC3: tl.constexpr,
+    BETA: tl.constexpr,
+    LINEAR_BETA: tl.constexpr,
+    # element offsets: peer regions (parity 0) and the parity stride, per view
+    AR1_F: tl.constexpr,
+    LOG_F: tl.constexpr,
+    Z_B: tl.constexpr,
+    AR2_F: tl.constexpr,
+    AR3_F: tl.constexpr,
+    PAR_F: tl.constexpr,
+    PAR_B: tl.constexpr,
+    FLAG_I: tl.constexpr,
+    # element offsets: scratch regions
+    X_B: tl.constexpr,
+    IDS_I: tl.constexpr,
+    RW_F: tl.constexpr,
+    ACT_B: tl.constexpr,
+    LAT_B: tl.constexpr,
+    SACT_B: tl.constexpr,
+    CTL_I: tl.constexpr,
+    PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
+    SCOPE: tl.constexpr,
+):
+    epoch = tl.load(epoch_ptr)
+    parity = epoch & 1
+    pf = parity * PAR_F  # this epoch's data regions
+    pb = parity * PAR_B
+    flags = own_i32 + FLAG_I
+    x_ptr = sc_bf16 + X_B
+    ids_ptr = sc_i32 + IDS_I
+    rw_ptr = sc_f32 + RW_F
+    act_ptr = sc_bf16 + ACT_B
+    lat_ptr = sc_bf16 + LAT_B
+    sact_ptr = sc_bf16 + SACT_B
+    ctl = sc_i32 + CTL_I
+
+    ticket = tl.atomic_add(ctl, 1, sem="relaxed", scope=SCOPE)
+    sink = epoch.to(tl.float32) * 0.0
+    while ticket < NUM_TASKS:
+        # the next ticket now: its atomic's latency hides behind this task
+        nxt = tl.atomic_add(ctl, 1, sem="relaxed", scope=SCOPE)
+        row = table_ptr + ticket * NCOL
+        kind = tl.load(row + C_KIND)
+        tile = tl.load(row + C_TILE)
+        start = tl.load(row + C_START)
+        stop = tl.load(row + C_STOP)
+        token = tl.load(row + C_TOKEN)
+        slot = tl.load(row + C_SLOT)
+        nwaits = tl.load(row + C_NWAITS)
+        naddr = tl.load(row + C_NADDR)
+        rword = tl.load(row + C_RAISE)
+        ok = (nwaits >= 0).to(tl.int32)
+
+        # (1) the waits that gate weight addresses
+        for i in tl.static_range(MAX_WAITS):
+            if (i < naddr) & (ok != 0):
+                ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE)
+
+        # (2) weights before waits
+        if PREFETCH > 0:
+            blocked = (nwaits < 0).to(tl.int32)
+            if PREFETCH == 2:
+                blocked = (nwaits > naddr).to(tl.int32)
+            else:
+                for i in tl.static_range(MAX_WAITS):
+                    if (i >= naddr) & (i < nwaits):
+                        blocked = blocked | _would_block(i, row, flags, epoch, SCOPE)
+            if (blocked != 0) & (ok != 0):
+                if kind == K_ROUTER:
+                    sink += _touch_rows(w_gate_ptr, start, stop, E_R, H, R_ROWS, R_BK)
+                elif kind == K_LATENT_DOWN:
+                    sink += _touch_rows(w_ld_ptr, start, stop, L_R, H, LD_ROWS, LD_BK)
+                elif kind == K_SHARED_GU:
+                    sink += _touch_rows(w_sg_ptr, start, stop, SI_R, H, SG_ROWS, SG_BK)
+                    sink += _touch_rows(w_su_ptr, start, stop, SI_R, H, SG_ROWS, SG_BK)
+                elif kind == K_FINAL:
+                    sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
+                    sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
+                elif kind == K_EXPERT_GU:
+                    ex = tl.load(ids_ptr + token * KTOP + slot).to(tl.int64)
+                    sink += _touch_rows(w1_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2, GU_ROWS, GU_BG * 16)
+                    sink += _touch_rows(w3_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2, GU_ROWS, GU_BG * 16)
+                elif kind == K_EXPERT_DOWN:
+                    for j in tl.static_range(KTOP):
+                        ex = tl.load(ids_ptr + token * KTOP + j).to(tl.int64)
+                        sink += _touch_rows(w2_ptr + ex * (L * I_R // 2), start, stop, L, I_R // 2, DN_ROWS, DN_BG * 16)
+
+        # (3) the other waits, in table order
+        for i in tl.static_range(MAX_WAITS):
+            if (i >= naddr) & (i < nwaits) & (ok != 0):
+                ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE)
+
+        # (4) the task
+        if ok != 0:
+            if kind == K_OPROJ:
+                acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST)
+                for p in tl.static_range(NP):
+                    store_rows(peers_f32[p] + pf + AR1_F + rank * (S * H), H, acc, tile * O_ROWS, S, H, SP, O_ROWS)
+                for p in tl.static_range(NP):
+                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+            elif kind == K_REDUCE1:
+                cols = start + tl.arange(0, RC1)
+                for s in range(S):
+                    reduce_prefix_chunk(own_f32 + pf + AR1_F, S * H, H, prefix_ptr, stride_ps, s, cols, cols < stop, T)
+                raise_counter(flags + rword, SCOPE)
+            elif kind == K_SEAM:
+                attnres_task(token, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb, ares_nw_ptr,
+                             ares_qk_ptr, in_nw_ptr, eps, x_ptr, H, H, CANDS, VB)
+                raise_counter(flags + rword, SCOPE)
+            elif kind == K_ROUTER:
+                acc = router_task(tile, x_ptr, H, w_gate_ptr, H, S, E_R, H, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST)
+                for p in tl.static_range(NP):
+                    store_rows(peers_f32[p] + pf + LOG_F + rank * E_R, E, acc, tile * R_ROWS, S, E_R, SP, R_ROWS)
+                for p in tl.static_range(NP):
+                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+            elif kind == K_LATENT_DOWN:
+                zt = latent_down_task(tile, x_ptr, H, w_ld_ptr, H, S, L_R, H, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST)
+                for p in tl.static_range(NP):
+                    store_rows(peers_bf16[p] + pb + Z_B + rank * L_R, L, zt, tile * LD_ROWS, S, L_R, SP, LD_ROWS)
+                for p in tl.static_range(NP):
+                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+            elif kind == K_SHARED_GU:
+                shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
+                                    LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
+                raise_counter(flags + rword, SCOPE)
+            elif kind == K_ROUTE:
+                route_task(token, own_f32 + pf + LOG_F, bias_ptr, ids_ptr, rw_ptr, scaling, E, KTOP, E_PAD)
+                raise_counter(flags + rword, SCOPE)
+            elif kind == K_EXPERT_GU:
+                gu_task = (token * KTOP + slot) * tl.cdiv(I_R, GU_ROWS) + tile
+                expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr,
+                                    KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA)
+                raise_counter(flags + rword, SCOPE)
+            elif kind == K_EXPERT_DOWN:
+                own_ar2 = own_f32 + pf + AR2_F + rank * (S * L)
+                expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr,
+                                 own_ar2, KTOP, L, I_R, DN_ROWS, DN_BG)
+                if NP > 1:
+                    # the task stored its rows into the own slot: copy them to every peer's
+                    tl.debug_barrier()
+                    rows = start + tl.arange(0, DN_ROWS)
+                    rmask = rows < stop
+                    vals = tl.load(own_ar2 + token * L + rows, mask=rmask, other=0.0)
+                    for p in tl.static_range(NP):
+                        tl.store(peers_f32[p] + pf + AR2_F + rank * (S * L) + token * L + rows, vals, mask=rmask)
+                for p in tl.static_range(NP):
+                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+            elif kind == K_PREFETCH_FINAL:
+                sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
+                sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
+            elif kind == K_LATENT_NORM:
+                latent_norm_task(token, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L, T, L, VB)
+                raise_counter(flags + rword, SCOPE)
+            elif kind == K_FINAL:
+                acc = final_task(tile, lat_ptr + rank * L_R, L, w_up_ptr, L_R, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H,
+                                 L_R, SI_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST)
+                for p in tl.static_range(NP):
+                    store_rows(peers_f32[p] + pf + AR3_F + rank * (S * H), H, acc, tile * F_ROWS, S, H, SP, F_ROWS)
+                for p in tl.static_range(NP):
+                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+            elif kind == K_REDUCE3:
+                cols = start + tl.arange(0, RC3)
+                for s in range(S):
+                    final_reduce_chunk(own_f32 + pf + AR3_F, S * H, H, out_ptr, stride_os, s, cols, cols < stop, T)
+        # a failed wait stops the CTA (the alarm is up: the launch is lost)
+        ticket = tl.where(ok != 0, nxt, NUM_TASKS)
+
+    if spin_limit < 0:  # never: keeps the prefetch loads alive
+        tl.store(health_ptr + H_SINK, sink.to(tl.int32))
+    # the last CTA out resets the ticket counter and advances the epoch
+    done = tl.atomic_add(ctl + 1, 1, sem="acq_rel", scope=SCOPE)
+    if done == GRID - 1:
+        tl.atomic_xchg(ctl, 0, sem="relaxed", scope=SCOPE)
+        tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope=SCOPE)
+        tl.atomic_xchg(epoch_ptr, epoch + 1, sem="release", scope=SCOPE)

@@ -1,0 +1,241 @@
+"""The mono launch (one persistent kernel per rank) under the interpreter.
+
+T = 1 runs the whole table; T > 1 runs every rank in loopback (its launch
+alone, the other ranks' pushes pre-written from a staged run, its own slots
+poisoned). Routes must equal the bf16 TP reference's, errors against the
+float64 oracle stay within twice the bf16 reference's own, every rank holds
+the same bits, and the launch reproduces the staged driver bit for bit (the
+same task functions on the same data).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from k3mono.config import preset
+from k3mono.errors import K3InputError
+from k3mono.mono import MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, peer_regions, scratch_regions
+from k3mono.planner import COL, MonoOptions
+from k3mono.reference import layer_post_tp
+from k3mono.staged import StagedLayer
+from k3mono.synthetic import random_inputs, random_layer
+from k3mono.weights import shard_all
+
+BUDGET_FACTOR = 2.0
+NAMES = ("moe_out", "prefix", "route_ids", "route_weights")
+
+
+@functools.lru_cache(maxsize=None)
+def layer_weights(preset_name: str = "tiny", seed: int = 0):
+    return random_layer(preset(preset_name), seed)
+
+
+def rel_err(got, want) -> float:
+    want = want.double()
+    return ((got.cpu().double() - want).norm() / want.norm()).item()
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.is_floating_point() else t
+
+
+def same_bits(a, b) -> bool:
+    return all(torch.equal(bits(getattr(a, n)), bits(getattr(b, n))) for n in NAMES)
+
+
+def check_against_reference(cfg, shards, inputs, layer, got):
+    ref = layer_post_tp(**inputs, layer=layer, shards=shards, cfg=cfg)
+    assert torch.equal(got.route_ids, ref.route_ids), "routes differ from the bf16 TP reference"
+    exact = layer_post_tp(**inputs, layer=layer, shards=shards, cfg=cfg, mode="oracle", forced_routes=got.route_ids)
+    for name in ("moe_out", "prefix", "route_weights"):
+        out = getattr(got, name)
+        assert torch.isfinite(out.float()).all(), name
+        budget = BUDGET_FACTOR * rel_err(getattr(ref, name), getattr(exact, name))
+        err = rel_err(out, getattr(exact, name))
+        assert err <= budget, f"{name}: error {err:.3g} against the oracle, budget {budget:.3g}"
+
+
+CASES = [(1, 1, 1), (1, 3, 13), (1, 16, 92), (4, 3, 13)]
+
+
+@pytest.mark.parametrize("tp,tokens,layer", CASES, ids=[f"T{t}-S{s}-L{l}" for t, s, l in CASES])
+def test_mono_matches_the_reference_and_staged(tp, tokens, layer):
+    cfg = preset("tiny")
+    shards = shard_all(layer_weights(), cfg, tp)
+    inputs = random_inputs(cfg, tokens, layer, seed=300 + 7 * tp + tokens, nb_max=cfg.num_blocks(layer) + 1)
+    before = inputs["prefix"].clone()
+    runner = MonoRunner(cfg, shards, tokens, layer)
+    assert runner.loopback == (tp > 1)
+    got = runner(**inputs)
+    assert torch.equal(inputs["prefix"], before), "the caller's prefix must not be modified"
+    assert got.route_ids.dtype == torch.int64 and got.route_weights.dtype == torch.float32
+    check_against_reference(cfg, shards, inputs, layer, got)
+    for rank, other in enumerate(runner.rank_results()):
+        assert same_bits(got, other), f"rank {rank} differs from rank 0"
+    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer)
+    if tp == 1:
+        staged(**inputs)
+    for rank in range(tp):
+        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+    assert runner.epoch() == 2 and runner.ctl(0).tolist() == [0, 0]
+
+
+def _waited_counts(runner) -> dict:
+    """flag word -> raises per launch (what a wait on it expects, per epoch)."""
+    rows = runner.compiled.rows
+    counts = {}
+    for i in range(2):
+        for word, count in zip(rows[:, COL[f"wait{i}_word"]].tolist(), rows[:, COL[f"wait{i}_count"]].tolist()):
+            if word >= 0:
+                assert counts.setdefault(word, count) == count
+    return counts
+
+
+def test_two_launches_flip_parity_without_host_reset():
+    cfg, tp, tokens, layer = preset("tiny"), 2, 1, 13
+    shards = shard_all(layer_weights(), cfg, tp)
+    a = random_inputs(cfg, tokens, layer, seed=11)
+    b = random_inputs(cfg, tokens, layer, seed=12)
+    runner = MonoRunner(cfg, shards, tokens, layer)
+    counts = _waited_counts(runner)
+    first = runner(**a)
+    check_against_reference(cfg, shards, a, layer, first)
+    for r in range(tp):  # epoch 1 used parity 1: the own slots of parity 0 are still poisoned
+        assert torch.isfinite(runner.parity_views(r, 1)["ar1"][r]).all()
+        assert torch.isnan(runner.parity_views(r, 0)["ar1"][r]).all()
+        assert runner.epoch(r) == 2 and runner.ctl(r).tolist() == [0, 0]
+        flags = runner.flags(r).tolist()
+        assert all(flags[w] == 1 * c for w, c in counts.items())
+    second = runner(**b)  # epoch 2: no reset, no host work on flags or counters
+    check_against_reference(cfg, shards, b, layer, second)
+    fresh = MonoRunner(cfg, shards, tokens, layer)(**b)
+    assert same_bits(second, fresh)
+    for r in range(tp):
+        assert torch.isfinite(runner.parity_views(r, 0)["ar1"][r]).all()
+        assert runner.epoch(r) == 3 and runner.ctl(r).tolist() == [0, 0]
+        flags = runner.flags(r).tolist()
+        assert all(flags[w] == 2 * c for w, c in counts.items())
+        assert runner.health[r].tolist()[0] == 0
+
+
+def test_a_wait_that_cannot_be_met_is_a_clear_error():
+    """T = 2 without loopback, rank 0 launched alone: rank 1's AR1 pushes never come."""
+    cfg, tp, tokens, layer = preset("tiny"), 2, 1, 13
+    shards = shard_all(layer_weights(), cfg, tp)
+    runner = MonoRunner(cfg, shards, tokens, layer, loopback=False, spin_limit=8)
+    runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=5))
+    runner.poison()
+    runner.launch(0)
+    with pytest.raises(MonoTimeout, match=r"rank 0 layer 13 .*REDUCE1 tile 0.* flag AR1\[0\].*expected \d+, seen \d+"):
+        runner.check_health()
+    assert runner.ctl(0).tolist() == [0, 0], "the stopped launch still resets its ticket counter"
+    with pytest.raises(RuntimeError, match="broken"):
+        runner.launch(0)
+    with pytest.raises(K3InputError, match="loopback"):
+        runner.reset()
+        runner.run()
+    runner.reset()
+    assert runner.flags(0).abs().sum() == 0 and runner.epoch(0) == 1
+
+
+def test_prefetch_and_prefetch_final_change_no_bits():
+    cfg, tokens, layer = preset("tiny"), 1, 1
+    shards = shard_all(layer_weights(), cfg, 1)
+    inputs = random_inputs(cfg, tokens, layer, seed=21)
+    plain = MonoRunner(cfg, shards, tokens, layer, prefetch=0)(**inputs)
+    eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=MonoOptions(prefetch_final=True))
+    assert eager.compiled.table.summary().tasks_per_kind.get(9)  # PREFETCH_FINAL tasks present
+    assert same_bits(plain, eager(**inputs))
+
+
+def test_the_launch_stays_inside_its_buffers():
+    """Guard bands around every buffer of the rank keep their pattern."""
+    cfg, tokens, layer = preset("tiny"), 3, 13
+    shards = shard_all(layer_weights(), cfg, 1)
+    runner = MonoRunner(cfg, shards, tokens, layer)
+    guards = []
+    for name in ("peer_buffers", "scratch_buffers"):
+        bufs = getattr(runner, name)
+        n = bufs[0].numel()
+        big = torch.full((n + 2048,), 0xA5, dtype=torch.uint8)
+        big[1024 : 1024 + n] = 0
+        bufs[0] = big[1024 : 1024 + n]
+        guards.append((name, big, n))
+    runner(**random_inputs(cfg, tokens, layer, seed=8))
+    for name, big, n in guards:
+        assert (big[:1024] == 0xA5).all() and (big[1024 + n :] == 0xA5).all(), name
+
+
+@pytest.mark.parametrize("preset_name,tp,tokens", [("tiny", 1, 1), ("tiny", 2, 16), ("tiny", 4, 3), ("kimi-k3", 8, 16)])
+@pytest.mark.parametrize("loopback", [False, True])
+def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, tokens, loopback):
+    cfg = preset(preset_name)
+    key = MonoBuild(cfg=cfg, tokens=tokens, tp=tp, loopback=loopback, sms=132)
+    c = build(key)
+    k = c.consts
+
+    def disjoint(regions):
+        spans = sorted((off, off + n, name) for name, (off, n) in regions.items() if name != "__end__")
+        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+            assert a1 <= b0, f"{an} overlaps {bn}"
+        assert spans[0][0] >= 0 and spans[-1][1] <= regions["__end__"][0]
+        assert all(off % 256 == 0 for off, _, _ in spans)
+
+    peer = peer_regions(key, c.table.num_flag_words)
+    scratch = scratch_regions(key)
+    disjoint(peer)
+    disjoint(scratch)
+    half = peer["parity0"][1]
+    H, E, L, S = cfg.hidden_size, cfg.num_experts, cfg.routed_expert_hidden_size, tokens
+    # the kernel's element offsets and extents (ar slots [T, S, *], logits [S, E], z [S, L])
+    accesses = {
+        "ar1": (k["AR1_F"] * 4, tp * S * H * 4),
+        "logits": (k["LOG_F"] * 4, S * E * 4),
+        "z": (k["Z_B"] * 2, S * L * 2),
+        "ar2": (k["AR2_F"] * 4, tp * S * L * 4),
+        "ar3": (k["AR3_F"] * 4, tp * S * H * 4),
+    }
+    for parity in (0, 1):
+        for name, (off, n) in accesses.items():
+            lo = parity * k["PAR_F"] * 4 + off
+            assert peer[f"parity{parity}"][0] <= lo and lo + n <= peer[f"parity{parity}"][0] + half, name
+    assert k["PAR_F"] * 4 == half == k["PAR_B"] * 2
+    flag_lo = k["FLAG_I"] * 4
+    assert flag_lo == peer["flags"][0] and flag_lo + 4 * c.table.num_flag_words <= buffer_bytes(peer)
+    rows = c.rows
+    for col in ("wait0_word", "wait1_word", "raise_word"):
+        words = rows[:, COL[col]]
+        assert int(words.max()) < c.table.num_flag_words and int(words.min()) >= -1
+    I_R, SI_R, K = cfg.moe_intermediate_size // tp, cfg.shared_intermediate // tp, cfg.num_experts_per_token
+    scratch_access = {
+        "x": (k["X_B"] * 2, S * H * 2),
+        "route_ids": (k["IDS_I"] * 4, S * K * 4),
+        "route_w": (k["RW_F"] * 4, S * K * 4),
+        "expert_act": (k["ACT_B"] * 2, S * K * I_R * 2),
+        "latent": (k["LAT_B"] * 2, S * L * 2),
+        "shared_act": (k["SACT_B"] * 2, S * SI_R * 2),
+        "ctl": (k["CTL_I"] * 4, 8),
+    }
+    for name, (off, n) in scratch_access.items():
+        assert scratch[name] == (off, n), name
+    # loopback divides the peer waits by T; the counts stay whole
+    if loopback and tp > 1:
+        full = build(MonoBuild(cfg=cfg, tokens=tokens, tp=tp, loopback=False, sms=132)).rows
+        ratio = full[:, COL["wait0_count"]].float() / rows[:, COL["wait0_count"]].clamp_min(1).float()
+        assert set(ratio.unique().tolist()) <= {0.0, 1.0, float(tp)}
+    assert math.prod(rows.shape) > 0
+
+
+def test_mono_rejects_more_than_16_tokens():
+    cfg = preset("tiny")
+    with pytest.raises(K3InputError, match="tokens"):
+        MonoBuild(cfg=cfg, tokens=17, tp=1)
+    with pytest.raises(K3InputError, match="tokens"):
+        MonoRunner(cfg, shard_all(layer_weights(), cfg, 1), 17, 13)
+    runner = MonoRunner(cfg, shard_all(layer_weights(), cfg, 1), 3, 13)
+    with pytest.raises(K3InputError, match="tokens"):
+        runner(**random_inputs(cfg, 2, 13, seed=3))
