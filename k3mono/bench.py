@@ -116,7 +116,7 @@ def _time_unfused(cfg, weight_sets, tokens: int) -> float | None:
     return seconds
 
 
-def _mono_runners(cfg, tp: int, tokens: int, weight_sets: list) -> list:
+def _mono_runners(cfg, tp: int, tokens: int, weight_sets: list, **runner_options) -> list:
     """One MonoRunner per weight set, rank 0's launch in loopback (T > 1: every
     rank shares rank 0's tensors; the other ranks' pushes are pre-written by one
     staged run, into both parities, so every replay finds them)."""
@@ -125,7 +125,7 @@ def _mono_runners(cfg, tp: int, tokens: int, weight_sets: list) -> list:
     runners = []
     for seed, shard in enumerate(weight_sets):
         ranks = [dataclasses.replace(shard, rank=r) for r in range(tp)]
-        runner = MonoRunner(cfg, ranks, tokens, BENCH_LAYER)
+        runner = MonoRunner(cfg, ranks, tokens, BENCH_LAYER, **runner_options)
         inputs = random_inputs(cfg, tokens, BENCH_LAYER, seed=1000 + seed)
         runner.load_inputs(**{k: v.to(shard.o_proj.device) for k, v in inputs.items()})
         runner._staged = None  # the pre-write's StagedLayer is not needed any more
@@ -134,12 +134,12 @@ def _mono_runners(cfg, tp: int, tokens: int, weight_sets: list) -> list:
     return runners
 
 
-def time_mono(cfg, tp: int, tokens: int, weight_sets: list) -> float:
+def time_mono(cfg, tp: int, tokens: int, weight_sets: list, **runner_options) -> float:
     """Seconds per mono launch of rank 0 (TP8: loopback; T = 1: the whole layer),
     CUDA-graph replays over the rotated weight sets (the launch needs no host
     work between replays: its last CTA resets the ticket counter and advances
     the epoch). The health buffers are checked after the timing."""
-    runners = _mono_runners(cfg, tp, tokens, weight_sets)
+    runners = _mono_runners(cfg, tp, tokens, weight_sets, **runner_options)
     seconds = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
     torch.cuda.synchronize()
     for runner in runners:
@@ -215,8 +215,8 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results["tables"]), figsize=(6 * len(results["tables"]), 4))
-    for ax, (title, rows) in zip(axes, results["tables"].items()):
+    fig, axes = plt.subplots(1, len(results["tables"]), figsize=(6 * len(results["tables"]), 4), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], results["tables"].items()):
         tokens = [r["tokens"] for r in rows]
         for key, label in (("staged_us", "staged"), ("mono_us", "mono"), ("unfused_us", "unfused PyTorch")):
             points = [(t, r[key]) for t, r in zip(tokens, rows) if r.get(key) is not None]

@@ -76,6 +76,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+DEFAULT_PREFETCH = 0
+DEFAULT_CTAS_PER_SM = 2
+"""Measured on the H200 at one rank of TP8 (benchmarks/mono_sweep.py, docs/PERF.md):
+two CTAs a SM took S = 1 from 182 to 148 us and S = 8 from 415 to 341 us (four
+gave nothing more); the L2 prefetch before a blocking wait (mode 1) cost 20 to
+40 us, since it reads each weight tile twice through the SM and keeps nothing
+in registers across the wait."""
+
+
 @dataclass(frozen=True)
 class MonoBuild:
     cfg: K3Config
@@ -86,7 +95,7 @@ class MonoBuild:
     loopback: bool = False
     sms: int = 1  # the grid is planned for this many SMs (1: the interpreter's one program)
     ctas_per_sm: int = 1
-    prefetch: int = 1  # 0 never, 1 when a wait would block, 2 always
+    prefetch: int = DEFAULT_PREFETCH  # 0 never, 1 when a wait would block, 2 always
     scope: str = "gpu"
 
     def __post_init__(self):
@@ -334,7 +343,8 @@ class MonoRunner:
     agree): ``reset()`` zeroes them."""
 
     def __init__(self, cfg: K3Config, shards, tokens: int, layer: int, *, device=None, loopback=None,
-                 options: MonoOptions | None = None, prefetch: int = 1, spin_limit: int | None = None):
+                 options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH,
+                 spin_limit: int | None = None):
         from .kernels.attnres import num_candidates_pad
 
         cfg.validate_layer(layer)
@@ -346,7 +356,7 @@ class MonoRunner:
         if self.device != shards[0].o_proj.device:
             raise K3InputError(f"device: the shards live on {shards[0].o_proj.device}, not {self.device}")
         self.loopback = self.tp > 1 if loopback is None else bool(loopback)
-        options = options or MonoOptions()
+        options = options or MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM)
         sms = 1 if _interpreting() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.key = MonoBuild(cfg=cfg, tokens=tokens, tp=self.tp, opt=options.bits(),
                              cands=num_candidates_pad(cfg.num_blocks(layer)), loopback=self.loopback, sms=sms,

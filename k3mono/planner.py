@@ -78,11 +78,8 @@ class StageGeometry:
     expert_down: GemvTile  # MXFP4
     vector_block: int  # columns a vector stage handles per step
     vector_warps: int
-    # Warps of the one-program-per-token stages (staged launches). These sit on
-    # the latency chain, not on bandwidth: one CTA must keep a whole token's
-    # loads in flight at once, so they take more warps than the reduces.
-    attnres_warps: int = 16  # 9 candidates x 14 KB at H = 7168: 16 B x 2 per thread and chunk
-    route_warps: int = 8  # 16 trial thresholds x E_PAD keys a round: 128 compares a thread at 8 warps
+    # Warps of latent_norm (staged launch): on the latency chain, one CTA keeps a
+    # token's T partial slots in flight at once, so more warps than the reduces.
     latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
 
 

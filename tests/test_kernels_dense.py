@@ -469,7 +469,7 @@ _SM90_CHECK = textwrap.dedent(
                  {"prefix_ptr": "*bf16", "stride_ps": "i32", "blocks_ptr": "*bf16", "stride_bs": "i32",
                   "stride_bn": "i32", "nb": "i32", "ares_norm_ptr": "*bf16", "ares_proj_ptr": "*bf16",
                   "post_norm_ptr": "*bf16", "eps": "fp32", "x_ptr": "*bf16", "stride_xs": "i32"},
-                 dict(H=7168, CANDS=16, VB=1024, NBP=8))
+                 dict(H=7168, CANDS=16, VB=1024))
     compile_sm90(latent_norm._latent_norm_kernel,
                  {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "norm_ptr": "*bf16", "eps": "fp32",
                   "out_ptr": "*bf16", "stride_os": "i32"},

@@ -11,16 +11,11 @@ VB = geom.vector_block columns per step.
     x      = bf16(post_norm * bf16(h * rsqrt(mean(h^2) + eps)))
 
 The scores need all of H before any mixing can start, and the norm needs all of
-h, so a task is one token, in three sweeps over H, each unrolled over its
-H / VB chunks so their loads are all in flight at once (the task is one CTA's
-latency chain on the launch's critical path: what counts is the number of
-dependent round trips, not bandwidth): (1) the squared sums and the q-dot of
-every candidate in one read, the blocks as one [NBP, VB] tile a chunk (rows
-past nb masked, costing no memory traffic) and P as one row, reduced
-block-wide once at the end; score_i = r_i * (V_i . q) (the reference scales
-before the dot; the two differ by fp32 rounding only); (2) mix (re-reading the
-candidates from L1 / L2), round h and stage it in x_out while summing h^2;
-(3) normalise x_out in place. x is rank-local, so the task stores it directly.
+h, so a task is one token, in three sweeps over H: (1) the squared sums and the
+q-dot of every candidate in one read, score_i = r_i * (V_i . q) (the reference
+scales before the dot; the two differ by fp32 rounding only); (2) mix, round h
+and stage it in x_out while summing h^2; (3) normalise x_out in place.
+x is rank-local, so the task stores it directly.
 """
 
 from __future__ import annotations
@@ -30,6 +25,25 @@ import triton.language as tl
 
 from ..planner import next_pow2
 from .common import as_f32, rsqrt_rn, to_bf16
+
+
+@triton.jit
+def _candidate_row(
+    i,
+    s,
+    nb,
+    blocks_ptr,  # [S, nb_max, H] bf16
+    stride_bs,
+    stride_bn,
+    prefix_ptr,  # [S, H] bf16
+    stride_ps,
+):
+    """Pointer to candidate i of token s: the blocks first, P last."""
+    if i < nb:
+        row = blocks_ptr + s * stride_bs + i * stride_bn
+    else:
+        row = prefix_ptr + s * stride_ps
+    return row
 
 
 @triton.jit
@@ -50,60 +64,49 @@ def attnres_task(
     H: tl.constexpr,
     CANDS: tl.constexpr,
     VB: tl.constexpr,
-    NBP: tl.constexpr = 0,  # block rows of a tile: a power of two >= nb (0: CANDS, always enough)
 ):
-    ROWS: tl.constexpr = CANDS if NBP == 0 else NBP
-    blk = tl.arange(0, ROWS)
-    offs = tl.arange(0, VB)[None, :]  # [1, VB]: the 1-row vectors share the tile's layout
-    blk_on = blk < nb
-    blk_rows = blocks_ptr + s * stride_bs + blk[:, None] * stride_bn  # [ROWS, 1]
-    p_row = prefix_ptr + s * stride_ps
-    x_row = x_ptr + s * stride_xs
+    cand = tl.arange(0, CANDS)
+    offs = tl.arange(0, VB)
+    n_cand = nb + 1
 
-    # (1) every candidate's sum of V^2 and V . q in one read. The blocks are a
-    # [ROWS, VB] tile a step (rows past nb masked: no memory traffic), P its
-    # own row; the chunk loop is unrolled, so the loads of all chunks and all
-    # candidates can be in flight together. Partials stay elementwise until one
-    # block-wide reduction at the end.
-    ss_b = tl.zeros([ROWS, VB], dtype=tl.float32)
-    qd_b = tl.zeros([ROWS, VB], dtype=tl.float32)
-    ss_p = tl.zeros([1, VB], dtype=tl.float32)
-    qd_p = tl.zeros([1, VB], dtype=tl.float32)
-    for c0 in tl.static_range(0, H, VB):
-        cols = c0 + offs
-        m = cols < H
-        v = as_f32(tl.load(blk_rows + cols, mask=blk_on[:, None] & m, other=0.0))
-        p = as_f32(tl.load(p_row + cols, mask=m, other=0.0))
-        q = as_f32(tl.load(ares_norm_ptr + cols, mask=m, other=0.0)) * as_f32(
-            tl.load(ares_proj_ptr + cols, mask=m, other=0.0)
-        )
-        ss_b += v * v
-        qd_b += v * q
-        ss_p += p * p
-        qd_p += p * q
-    sumsq_b, qdot_b = tl.reduce((ss_b, qd_b), 1, _add2)
-    sumsq_p, qdot_p = tl.reduce((tl.reshape(ss_p, [VB]), tl.reshape(qd_p, [VB])), 0, _add2)
+    # (1) per candidate: sum V^2 and V . q in one read.
+    sumsq = tl.zeros([CANDS], dtype=tl.float32)
+    qdot = tl.zeros([CANDS], dtype=tl.float32)
+    for i in range(CANDS):
+        if i < n_cand:
+            row = _candidate_row(i, s, nb, blocks_ptr, stride_bs, stride_bn, prefix_ptr, stride_ps)
+            ss = tl.zeros([VB], dtype=tl.float32)
+            qd = tl.zeros([VB], dtype=tl.float32)
+            for c0 in range(0, H, VB):
+                cols = c0 + offs
+                m = cols < H
+                v = as_f32(tl.load(row + cols, mask=m, other=0.0))
+                q = as_f32(tl.load(ares_norm_ptr + cols, mask=m, other=0.0)) * as_f32(
+                    tl.load(ares_proj_ptr + cols, mask=m, other=0.0)
+                )
+                ss += v * v
+                qd += v * q
+            sumsq = tl.where(cand == i, tl.sum(ss, axis=0), sumsq)
+            qdot = tl.where(cand == i, tl.sum(qd, axis=0), qdot)
 
-    score_b = tl.where(blk_on, rsqrt_rn(sumsq_b / H + eps) * qdot_b, float("-inf"))
-    score_p = rsqrt_rn(sumsq_p / H + eps) * qdot_p
-    top = tl.maximum(tl.max(score_b, axis=0), score_p)
-    e_b = tl.exp(score_b - top)
-    e_p = tl.exp(score_p - top)
-    denom = tl.sum(e_b, axis=0) + e_p
-    a_b = e_b / denom
-    a_p = e_p / denom
+    score = rsqrt_rn(sumsq / H + eps) * qdot
+    score = tl.where(cand < n_cand, score, float("-inf"))
+    e = tl.exp(score - tl.max(score, axis=0))
+    a = e / tl.sum(e, axis=0)
 
     # (2) h = bf16(sum_i a_i V_i), staged in x_out; sum of h^2 for the norm.
-    # The re-read of the candidates hits L1 / L2 (read in (1) just before).
-    hsq = tl.zeros([1, VB], dtype=tl.float32)
-    for c0 in tl.static_range(0, H, VB):
+    hsq = tl.zeros([VB], dtype=tl.float32)
+    for c0 in range(0, H, VB):
         cols = c0 + offs
         m = cols < H
-        v = as_f32(tl.load(blk_rows + cols, mask=blk_on[:, None] & m, other=0.0))
-        p = as_f32(tl.load(p_row + cols, mask=m, other=0.0))
-        h = tl.sum(a_b[:, None] * v, axis=0, keep_dims=True) + a_p * p
+        h = tl.zeros([VB], dtype=tl.float32)
+        for i in range(CANDS):
+            if i < n_cand:
+                row = _candidate_row(i, s, nb, blocks_ptr, stride_bs, stride_bn, prefix_ptr, stride_ps)
+                a_i = tl.sum(tl.where(cand == i, a, 0.0), axis=0)
+                h += a_i * as_f32(tl.load(row + cols, mask=m, other=0.0))
         hb = to_bf16(h)
-        tl.store(x_row + cols, hb, mask=m)
+        tl.store(x_ptr + s * stride_xs + cols, hb, mask=m)
         hf = as_f32(hb)
         hsq += tl.where(m, hf * hf, 0.0)
 
@@ -111,19 +114,14 @@ def attnres_task(
     tl.debug_barrier()
 
     # (3) x = rms(h, post_norm), in place.
-    r = rsqrt_rn(tl.sum(tl.reshape(hsq, [VB]), axis=0) / H + eps)
-    for c0 in tl.static_range(0, H, VB):
+    r = rsqrt_rn(tl.sum(hsq, axis=0) / H + eps)
+    for c0 in range(0, H, VB):
         cols = c0 + offs
         m = cols < H
-        h = as_f32(tl.load(x_row + cols, mask=m, other=0.0))
+        h = as_f32(tl.load(x_ptr + s * stride_xs + cols, mask=m, other=0.0))
         w = as_f32(tl.load(post_norm_ptr + cols, mask=m, other=0.0))
         x = to_bf16(w * as_f32(to_bf16(h * r)))
-        tl.store(x_row + cols, x, mask=m)
-
-
-@triton.jit
-def _add2(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
+        tl.store(x_ptr + s * stride_xs + cols, x, mask=m)
 
 
 @triton.jit
@@ -143,11 +141,10 @@ def _attnres_kernel(
     H: tl.constexpr,
     CANDS: tl.constexpr,
     VB: tl.constexpr,
-    NBP: tl.constexpr = 0,
 ):
     attnres_task(
         tl.program_id(0), prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb,
-        ares_norm_ptr, ares_proj_ptr, post_norm_ptr, eps, x_ptr, stride_xs, H, CANDS, VB, NBP,
+        ares_norm_ptr, ares_proj_ptr, post_norm_ptr, eps, x_ptr, stride_xs, H, CANDS, VB,
     )
 
 
@@ -174,5 +171,5 @@ def launch_attnres(prefix, blocks, nb, ares_norm, ares_proj, post_norm, eps, x_o
     _attnres_kernel[(S,)](
         prefix, prefix.stride(0), blocks, blocks.stride(0), blocks.stride(1), nb,
         ares_norm, ares_proj, post_norm, float(eps), x_out, x_out.stride(0),
-        H=H, CANDS=num_candidates_pad(nb), VB=geom.vector_block, NBP=next_pow2(nb), num_warps=geom.attnres_warps,
+        H=H, CANDS=num_candidates_pad(nb), VB=geom.vector_block, num_warps=geom.vector_warps,
     )

@@ -1,0 +1,45 @@
+"""The mono launch's knobs at one rank of TP8 (loopback): CTAs per SM and the
+prefetch mode, beside the staged path in the same run.
+
+    python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 4] [--prefetch 0 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from k3mono.bench import WEIGHT_SETS, _loopback_layers, _time_staged, time_mono
+from k3mono.config import preset
+from k3mono.planner import MonoOptions
+from k3mono.synthetic import random_shard
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--ctas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--tp", type=int, default=8)
+    args = parser.parse_args()
+    cfg = preset("kimi-k3")
+    sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
+    for tokens in args.tokens:
+        layers = _loopback_layers(cfg, args.tp, tokens, sets)
+        staged, stages = _time_staged(layers)
+        del layers
+        latency = ", ".join(f"{k} {stages[k] * 1e6:.1f}" for k in ("attnres", "route", "latent_norm"))
+        print(f"T={args.tp} S={tokens:>2} staged {staged * 1e6:8.1f} us ({latency} us)", flush=True)
+        for prefetch in args.prefetch:
+            for ctas in args.ctas:
+                try:
+                    mono = time_mono(cfg, args.tp, tokens, sets, options=MonoOptions(ctas_per_sm=ctas), prefetch=prefetch)
+                    print(f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} ctas/SM {ctas}: {mono * 1e6:8.1f} us", flush=True)
+                except RuntimeError as error:
+                    print(f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} ctas/SM {ctas}: FAIL {error}", flush=True)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
