@@ -55,7 +55,7 @@ def mono_case(cfg, full, shards, tp: int, tokens: int, device) -> int:
         nonlocal failures
         oracle = Oracle(cfg, full, inputs, LAYER)
         results = runner.rank_results()
-        verdicts = [oracle.judge(r.outputs()) for r in results]
+        verdicts = [oracle.judge(dict(r.outputs(), router_logits=r.router_logits)) for r in results]
         verdict = verdicts[0]
         # In loopback each rank ran alone against the staged driver's pushes of the
         # others, whose fp32 sums are ordered by other kernels' layouts: each rank
@@ -117,7 +117,7 @@ def main() -> int:
             inputs = {k: v.to(device) for k, v in random_inputs(cfg, tokens, LAYER, seed=31 * tp + tokens).items()}
             oracle = Oracle(cfg, full, inputs, LAYER)
             result = staged(**inputs)
-            verdict = oracle.judge({k: v for k, v in result.outputs().items()})
+            verdict = oracle.judge(dict(result.outputs(), router_logits=result.router_logits))
             agree = same_on_every_rank(staged.rank_results())
             ok = verdict.ok and agree and not torch.isnan(result.moe_out.float()).any()
             failures += not ok

@@ -515,6 +515,7 @@ class MonoRunner:
             prefix=self.prefix[rank].clone(),
             route_ids=sc["route_ids"].to(torch.int64),
             route_weights=sc["route_w"].clone(),
+            router_logits=self.parity_views(rank, (self.epoch(rank) - 1) & 1)["logits"].clone(),
         )
 
     def rank_results(self) -> list[StagedResult]:

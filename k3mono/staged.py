@@ -61,6 +61,7 @@ class StagedResult:
     prefix: torch.Tensor  # [S, H] bf16, the updated prefix
     route_ids: torch.Tensor  # [S, K] int64, ascending per token
     route_weights: torch.Tensor  # [S, K] fp32, route_ids order
+    router_logits: torch.Tensor | None = None  # [S, E] fp32: what the route stage read
 
     def outputs(self, dtype=None) -> dict:
         """The CLI's four output tensors (moe_out and prefix cast to ``dtype`` when given)."""
@@ -248,6 +249,7 @@ class StagedLayer:
             prefix=self.prefix[rank].clone(),
             route_ids=scratch["route_ids"].to(torch.int64),
             route_weights=scratch["route_w"].clone(),
+            router_logits=self.peer[rank]["logits"].clone(),
         )
 
     def rank_results(self) -> list[StagedResult]:

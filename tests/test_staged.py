@@ -121,3 +121,27 @@ def test_staged_rejects_bad_inputs():
         staged(inputs["core"], inputs["prefix"].float(), inputs["blocks"])
     with pytest.raises(K3InputError):
         StagedLayer(cfg, [w.to(DEVICE) for w in shard_all(layer_weights(), cfg, 2)][:1], tokens=3, layer=layer)
+
+
+def test_routes_that_differ_are_judged_on_the_implementations_own_logits():
+    from k3mono.config import preset
+    from k3mono.runner import Oracle
+    from k3mono.synthetic import random_inputs, random_layer
+
+    cfg = preset("tiny")
+    weights = random_layer(cfg, seed=40)
+    inputs = random_inputs(cfg, 2, 1, seed=41)
+    oracle = Oracle(cfg, weights, inputs, 1)
+    ref = oracle.reference
+    logits = ref.trace["router_logits"].clone()
+    # lift expert 0 of token 0 to the top: the spec's selection of these logits differs
+    logits[0, 0] = logits[0].max() + 1.0
+    own = dict(ref.outputs(), router_logits=logits)
+    own["route_ids"] = torch.sort(
+        torch.sort(torch.sigmoid(logits) + weights.router_bias, dim=-1, descending=True, stable=True).indices[:, : cfg.num_experts_per_token]
+    ).values
+    verdict = oracle.judge(own)
+    assert not verdict.routes_identical and verdict.routes_own_exact
+    assert verdict.logits_err > 1e-3 and not verdict.routes_ok  # logits too far from the reference's
+    wrong = dict(own, route_ids=ref.route_ids.flip(0))
+    assert not oracle.judge(dict(wrong, router_logits=ref.trace["router_logits"])).routes_ok
