@@ -64,7 +64,7 @@ def bad_cases(ckpt):
         (run_args(ckpt, inputs_file(ckpt, "many.safetensors", cfg_tokens=17), "o3"), "too many tokens"),
         (run_args(ckpt, good, "o4", "--tp", "3"), "tp"),
         (run_args(ckpt, good, "o5", "--tp", "8"), "does not divide"),
-        (run_args(ckpt, good, "o6", "--impl", "mono"), "impl"),
+        (run_args(ckpt, good, "o6", "--impl", "fused"), "impl"),
         (run_args(ckpt, ckpt / "absent.safetensors", "o7"), "not found"),
         (["run", "--checkpoint", str(ckpt / "nowhere"), "--layer", "13", "--inputs", str(good), "--out", "o8"], "config.json"),
         (["run", "--checkpoint", str(ckpt / "ckpt"), "--layer", "7", "--inputs", str(good), "--out", "o9"], "layers.7"),
