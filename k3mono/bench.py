@@ -61,6 +61,20 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def run_metadata() -> dict:
+    """Where and on what a result was measured."""
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
 def _loopback_layers(cfg, tp: int, tokens: int, weight_sets: list):
     """One StagedLayer per weight set; every rank shares rank 0's tensors; one full run fills the peers."""
     from .staged import StagedLayer
@@ -237,19 +251,12 @@ def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES) -> dict:
         from .errors import K3InputError
 
         raise K3InputError("bench: needs a GPU (torch sees none)")
-    import triton
-
     device = torch.device("cuda")
     cfg = preset("kimi-k3")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     results = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "commit": _git_commit(),
-        "date": time.strftime("%Y-%m-%d"),
+        **run_metadata(),
         "copy_bandwidth_bytes_per_s": bandwidth,
         "weight_sets": WEIGHT_SETS,
         "layer": BENCH_LAYER,

@@ -1,4 +1,4 @@
-"""``python -m k3mono``: make-checkpoint, run, check, plan.
+"""``python -m k3mono``: make-checkpoint, run, check, bench, plan, ranks.
 
 Bad input (a K3InputError) prints one line, ``k3mono: error: ...``, and exits 2,
 with no output file written.
@@ -58,7 +58,57 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nblocks", type=int, default=None, help="AttnRes blocks for the floor (default: the deepest layer's)")
     plan.add_argument("--prefetch-final", action="store_true", help="L2-prefetch FINAL's weights after the experts")
     plan.add_argument("--ctas-per-sm", type=int, default=1, help="resident CTAs an SM is given (default 1)")
+    ranks = sub.add_parser("ranks", help="T ranks of the mono launch exchanging for real, checked and timed")
+    ranks.add_argument("--tp", type=int, required=True, help="T, ranks (processes, or green contexts)")
+    ranks.add_argument("--tokens", type=int, default=1, help="S, tokens of the launch")
+    ranks.add_argument("--replays", type=int, default=None, help="CUDA-graph replays (GPU; default 100 there, 0 on the CPU)")
+    ranks.add_argument("--input-sets", type=int, default=2, help="fresh inputs run eagerly, cycled over the replays")
+    ranks.add_argument("--checkpoint", type=Path, default=None, help="default: seeded random weights of --preset")
+    ranks.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: kimi-k3 on a GPU, tiny on the CPU")
+    ranks.add_argument("--layer", type=int, default=13)
+    ranks.add_argument("--mode", default="procs", choices=["procs", "green", "streams"],
+                       help="procs: a process a rank (symmetric memory); green: green contexts of one GPU; "
+                       "streams: plain streams of one GPU")
+    ranks.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
+    ranks.add_argument("--absent", type=int, default=None, help="fault test: this rank never launches")
+    ranks.add_argument("--out", type=Path, default=None, help="write the per-rank results as JSON in this folder")
     return parser
+
+
+def cmd_ranks(args) -> int:
+    from .rankjob import RANKS_HEADER, RanksJob, run_ranks, write_json
+    from .runner import default_device, prepare_device
+
+    device = prepare_device(args.device or default_device()).type
+    check_tokens(args.tokens)
+    job = RanksJob(
+        tp=args.tp, tokens=args.tokens, layer=args.layer, input_sets=args.input_sets,
+        replays=args.replays if args.replays is not None else (100 if device == "cuda" else 0),
+        preset=args.preset or ("kimi-k3" if device == "cuda" else "tiny"),
+        checkpoint=str(args.checkpoint) if args.checkpoint else None, device=device, mode=args.mode,
+        absent=args.absent,
+    )
+    if job.checkpoint is None:
+        from .config import preset
+
+        preset(job.preset).validate_tp(job.tp)
+    print(
+        f"ranks: T={job.tp} S={job.tokens} layer {job.layer} mode {job.mode} device {device} "
+        f"weights {job.checkpoint or 'random ' + job.preset} input sets {job.input_sets} replays {job.replays}"
+        + (f" absent rank {job.absent}" if job.absent is not None else ""),
+        flush=True,
+    )
+    reports, verdict, seconds = run_ranks(job)
+    if job.absent is None:
+        print(RANKS_HEADER)
+    print("\n".join(verdict.lines))
+    if job.absent is None:
+        print(f"ranks: {'all ok' if verdict.ok else 'FAILED'} ({seconds:.0f} s)")
+    else:
+        print(f"ranks: {'every other rank stopped naming' if verdict.ok else 'FAILED to name'} the absent rank ({seconds:.0f} s)")
+    if args.out is not None:
+        print(f"wrote {write_json(job, reports, verdict, seconds, args.out)}")
+    return 0 if verdict.ok else 1
 
 
 def cmd_make_checkpoint(args) -> int:
@@ -209,7 +259,10 @@ def _plan_group_line(group) -> str:
     )
 
 
-COMMANDS = {"bench": cmd_bench, "make-checkpoint": cmd_make_checkpoint, "run": cmd_run, "check": cmd_check, "plan": cmd_plan}
+COMMANDS = {
+    "bench": cmd_bench, "make-checkpoint": cmd_make_checkpoint, "run": cmd_run, "check": cmd_check, "plan": cmd_plan,
+    "ranks": cmd_ranks,
+}
 
 
 def main(argv=None) -> int:

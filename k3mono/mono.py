@@ -29,17 +29,23 @@ k2_launch argument names (the seed's) -> LayerWeights fields
     w2 w2_packed, w2s w2_scale, ln_w latent_norm, w_up latent_up.
     ``alarm`` is the wait bound: polls a wait may spin before it gives up.
 
-Ranks in one process
+Ranks
+    ``MonoRank``: one rank's state (scratch, epoch word, health, input copies,
+    out) and the peer buffers it pushes into (peers.py says where they come
+    from: one device, host shared memory, symmetric memory).
+    ``MonoRunner``: T ranks on one device.
     loopback (the default for T > 1): each rank's launch runs alone; the
     other ranks' pushes of this input are pre-written into both parities of
     its peer buffer by the host (from a staged run of the same input), its
     own slots / columns are poisoned, and the table's peer-wait counts are
     divided by T (only its own raises arrive). Every rank is run this way,
     one after another, and every rank's outputs are returned.
-    full (loopback=False): every launch pushes into all T peer buffers. It
-    needs the T launches running concurrently (blocking cross-rank waits): on
-    the CPU interpreter that is impossible; ``launch(rank)`` of a single rank
-    then times out cleanly (tested). T = 1 is the same in both modes.
+    full (loopback=False): every launch pushes into all T peer buffers, so
+    the T launches must run at once: ``run(streams)`` puts each on its own
+    stream (green contexts of disjoint SMs on one GPU); ranks in separate
+    processes (ranks.py) run one MonoRank each. A rank launched alone times
+    out cleanly, naming the exchange and the ranks whose pushes never came.
+    T = 1 is the same in both modes.
 """
 
 from __future__ import annotations
@@ -326,26 +332,206 @@ def launch_args(w: LayerWeights) -> dict:
     )
 
 
-# -- the runner -------------------------------------------------------------------------------
+# -- one rank ---------------------------------------------------------------------------------
 
 
 class MonoTimeout(RuntimeError):
     """A wait of the mono launch ran out of polls (the health record says which)."""
 
 
+class MonoRank:
+    """One rank's launch state: its build, shard, scratch, device epoch word,
+    health record, input copies (core columns, prefix) and out, and the peer
+    buffers it pushes into: ``peers`` (NP of them: every rank's, or in
+    loopback only ``[own]``), its own buffer ``own`` among them.
+
+    A rank is what one process of an engine holds; ``MonoRunner`` holds T of
+    them on one device, ``ranks.run_mono_rank`` one per spawned process.
+    After a timeout the rank is broken (flags and epoch words no longer
+    agree): ``reset()`` zeroes them, on every rank of the group at once."""
+
+    def __init__(self, key: MonoBuild, shard: LayerWeights, rank: int, own: torch.Tensor, peers, *, layer: int,
+                 spin_limit: int, device):
+        from .kernels.sync import HEALTH_WORDS
+
+        self.key, self.compiled, self.rank, self.layer = key, build(key), rank, layer
+        self.own, self.peers = own, list(peers)
+        self.spin_limit = spin_limit
+        cfg, S, dev = key.cfg, key.tokens, torch.device(device)
+        self.scratch_buffer = torch.zeros(buffer_bytes(self.compiled.scratch), dtype=torch.uint8, device=dev)
+        self.epoch_word = torch.ones(1, dtype=torch.int32, device=dev)
+        self.health = torch.zeros(HEALTH_WORDS, dtype=torch.int32, device=dev)
+        self.core = torch.empty((S, cfg.core_width // key.tp), dtype=torch.bfloat16, device=dev)
+        self.prefix = torch.empty((S, cfg.hidden_size), dtype=torch.bfloat16, device=dev)
+        self.out = torch.empty((S, cfg.hidden_size), dtype=torch.bfloat16, device=dev)
+        self.blocks = None
+        self.broken = None
+        self._args = launch_args(shard)
+
+    # -- views -------------------------------------------------------------------------------
+    def parity_views(self, parity: int) -> dict:
+        off, n = self.compiled.peer[f"parity{parity}"]
+        return region_views(self.own[off : off + n], self.compiled.data)
+
+    def flags(self) -> torch.Tensor:
+        off, n = self.compiled.peer["flags"]
+        return self.own[off : off + n].view(torch.int32)[: self.compiled.table.num_flag_words]
+
+    def scratch(self) -> dict:
+        return region_views(self.scratch_buffer, scratch_layout(self.key.cfg, self.key.tp, self.key.tokens))
+
+    def ctl(self) -> torch.Tensor:
+        off, _ = self.compiled.scratch["ctl"]
+        return self.scratch_buffer[off : off + 4 * CTL_WORDS].view(torch.int32)
+
+    def epoch(self) -> int:
+        """The epoch the next launch will run (the last launch ran epoch() - 1)."""
+        return int(self.epoch_word.item())
+
+    # -- a run -------------------------------------------------------------------------------
+    def load_inputs(self, core, prefix, blocks) -> None:
+        """Copies of this rank's core columns and of prefix; ``blocks`` is read in place
+        (contiguous in its last dim). The caller has validated them."""
+        width = self.core.shape[1]
+        self.core.copy_(core[:, self.rank * width : (self.rank + 1) * width])
+        self.prefix.copy_(prefix)
+        self.blocks = blocks
+
+    def poison(self, peer_regions: bool) -> None:
+        """NaN / -1 into the scratch data regions and out (not ctl); with
+        ``peer_regions`` also into both parities of the own peer buffer (only
+        safe while no other rank can be pushing into it)."""
+        for t in self.scratch().values():
+            t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+        self.out.fill_(float("nan"))
+        if peer_regions:
+            for parity in (0, 1):
+                for t in self.parity_views(parity).values():
+                    t.fill_(float("nan"))
+
+    def launch(self) -> None:
+        """This rank's launch on the current stream (no sync, no health check)."""
+        if self.broken:
+            raise RuntimeError(f"mono rank {self.rank}: broken by an earlier timeout ({self.broken}); call reset()")
+        k2_launch(
+            self.key, core=self.core, prefix=self.prefix, blocks=self.blocks, **self._args, out=self.out,
+            scratch=self.scratch_buffer, peers=self.peers, rank=self.rank, epoch=self.epoch_word, layer=self.layer,
+            health=self.health, alarm=self.spin_limit, own=self.own,
+        )
+
+    def check_health(self) -> None:
+        """Raise MonoTimeout naming rank, task, flag, expected and seen on a failed wait
+        (and, for an exchange, the ranks none of whose pushes arrived)."""
+        from .kernels import sync
+
+        h = self.health.tolist()
+        if not h[sync.H_ALARM]:
+            return
+        table = self.compiled.table
+        ticket, word = h[sync.H_TICKET], h[sync.H_WORD]
+        task = table.tasks[ticket] if 0 <= ticket < len(table.tasks) else None
+        try:
+            flag, index = table.flag_of_word(word)
+            flag_name = f"{flag.name}[{index}]"
+        except IndexError:
+            flag, flag_name = None, "?"
+        what = f"{task.kind.name} tile {task.tile} token {task.token}" if task else "?"
+        self.broken = (
+            f"rank {h[sync.H_RANK]} layer {h[sync.H_LAYER]} epoch {h[sync.H_EPOCH]}: ticket {ticket} ({what}) "
+            f"timed out waiting for flag {flag_name} (word {word}): expected {h[sync.H_EXPECTED]}, "
+            f"seen {h[sync.H_SEEN]} ({h[sync.H_ALARM]} failed wait(s) on rank {self.rank})"
+        )
+        if flag in PEER_FLAGS and self.key.tp > 1 and not self.key.loopback:
+            absent = self.absent_pushes(flag.name.lower(), h[sync.H_EPOCH] & 1)
+            self.broken += f"; exchange {flag.name.lower()}: nothing arrived from rank(s) {absent}" if absent else ""
+        raise MonoTimeout(f"mono launch: {self.broken}")
+
+    def absent_pushes(self, region: str, parity: int) -> list[int]:
+        """Other ranks whose part of ``region`` (a slot, or a column block) is still
+        all poison (NaN): valid after ``poison(peer_regions=True)``."""
+        view, tp = self.parity_views(parity)[region], self.key.tp
+        if region in SLOT_EXCHANGES:
+            parts = [view[t] for t in range(tp)]
+        else:
+            width = view.shape[1] // tp
+            parts = [view[:, t * width : (t + 1) * width] for t in range(tp)]
+        return [t for t, part in enumerate(parts) if t != self.rank and bool(torch.isnan(part.float()).all())]
+
+    def reset(self) -> None:
+        """Zero flags, control words and health; epoch 1."""
+        self.flags().zero_()
+        self.ctl().zero_()
+        self.health.zero_()
+        self.epoch_word.fill_(1)
+        self.broken = None
+
+    def result(self) -> StagedResult:
+        sc = self.scratch()
+        return StagedResult(
+            moe_out=self.out.clone(),
+            prefix=self.prefix.clone(),
+            route_ids=sc["route_ids"].to(torch.int64),
+            route_weights=sc["route_w"].clone(),
+            router_logits=self.parity_views((self.epoch() - 1) & 1)["logits"].clone(),
+        )
+
+
+def launch_concurrently(ranks, streams, events=None) -> None:
+    """Each rank's launch on its own stream, after the current stream's work and
+    before its next: T launches in flight at once (their cross-rank waits need
+    it). ``events``: optional (start, end) CUDA event pairs, one per rank,
+    recorded around its launch on its stream."""
+    if len(streams) != len(ranks):
+        raise K3InputError(f"streams: expected one per rank ({len(ranks)}), got {len(streams)}")
+    current = torch.cuda.current_stream()
+    for stream in streams:
+        stream.wait_stream(current)
+    for i, (rank, stream) in enumerate(zip(ranks, streams)):
+        with torch.cuda.stream(stream):
+            if events is not None:
+                events[i][0].record(stream)
+            rank.launch()
+            if events is not None:
+                events[i][1].record(stream)
+    for stream in streams:
+        current.wait_stream(stream)
+
+
+# -- T ranks on one device --------------------------------------------------------------------
+
+
+def device_sms(device) -> int:
+    """The SMs a launch's grid is planned for: 1 under the interpreter (one program)."""
+    return 1 if _interpreting() else torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+
+
+def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool, sms: int,
+             options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH, scope: str = "gpu") -> MonoBuild:
+    """The build key of a rank's launch for ``layer`` (its AttnRes candidate pad),
+    the measured defaults (DEFAULT_CTAS_PER_SM, DEFAULT_PREFETCH) unless given."""
+    from .kernels.attnres import num_candidates_pad
+
+    options = options or MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM)
+    return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
+                     loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope)
+
+
 class MonoRunner:
     """layer_post through the mono launch, T = len(shards) ranks on one device.
 
-    Owns every rank's peer buffer, scratch, prefix / out copies, device epoch
-    word and health buffer. ``layer_post(core, prefix, blocks)`` returns rank
-    0's outputs (staged.StagedResult); ``rank_results()`` every rank's.
-    After a timeout the runner is broken (flags and epoch words no longer
-    agree): ``reset()`` zeroes them."""
+    ``rank_states[r]`` is rank r's MonoRank; their peer buffers are ordinary
+    tensors of this device. loopback (the default for T > 1): each rank runs
+    alone against the others' pushes pre-written from a staged run; full
+    (loopback=False, T > 1): the T launches must run at once, so ``run`` takes
+    one stream a rank (``peers.green_streams``: disjoint SM partitions, and
+    ``sms`` the SMs of one partition, for which the grid is planned).
+    ``layer_post(core, prefix, blocks)`` returns rank 0's outputs
+    (staged.StagedResult); ``rank_results()`` every rank's."""
 
     def __init__(self, cfg: K3Config, shards, tokens: int, layer: int, *, device=None, loopback=None,
                  options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH,
-                 spin_limit: int | None = None):
-        from .kernels.attnres import num_candidates_pad
+                 spin_limit: int | None = None, sms: int | None = None):
+        from .peers import local_buffers
 
         cfg.validate_layer(layer)
         if not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
@@ -356,52 +542,41 @@ class MonoRunner:
         if self.device != shards[0].o_proj.device:
             raise K3InputError(f"device: the shards live on {shards[0].o_proj.device}, not {self.device}")
         self.loopback = self.tp > 1 if loopback is None else bool(loopback)
-        options = options or MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM)
-        sms = 1 if _interpreting() else torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.key = MonoBuild(cfg=cfg, tokens=tokens, tp=self.tp, opt=options.bits(),
-                             cands=num_candidates_pad(cfg.num_blocks(layer)), loopback=self.loopback, sms=sms,
-                             ctas_per_sm=options.ctas_per_sm, prefetch=prefetch)
+        self.key = mono_key(cfg, tokens, self.tp, layer, loopback=self.loopback, sms=sms or device_sms(self.device),
+                            options=options, prefetch=prefetch)
         self.compiled = build(self.key)
-        self.spin_limit = spin_limit if spin_limit is not None else (INTERPRET_SPIN if _interpreting() else DEFAULT_SPIN)
-        S, H, dev = tokens, cfg.hidden_size, self.device
-        from .kernels.sync import HEALTH_WORDS
-
-        c = self.compiled
-        self.peer_buffers = [torch.zeros(buffer_bytes(c.peer), dtype=torch.uint8, device=dev) for _ in self.ranks]
-        self.scratch_buffers = [torch.zeros(buffer_bytes(c.scratch), dtype=torch.uint8, device=dev) for _ in self.ranks]
-        self.epochs = [torch.ones(1, dtype=torch.int32, device=dev) for _ in self.ranks]
-        self.health = [torch.zeros(HEALTH_WORDS, dtype=torch.int32, device=dev) for _ in self.ranks]
-        self.prefix = [torch.empty((S, H), dtype=torch.bfloat16, device=dev) for _ in self.ranks]
-        self.out = [torch.empty((S, H), dtype=torch.bfloat16, device=dev) for _ in self.ranks]
-        self.core = torch.empty((S, cfg.core_width), dtype=torch.bfloat16, device=dev)
-        self.blocks = None
-        self.broken = None
+        spin = spin_limit if spin_limit is not None else (INTERPRET_SPIN if _interpreting() else DEFAULT_SPIN)
+        buffers = local_buffers(self.tp, buffer_bytes(self.compiled.peer), self.device)
+        self.rank_states = [
+            MonoRank(self.key, self.shards[r], r, buffers[r], [buffers[r]] if self.loopback else buffers,
+                     layer=layer, spin_limit=spin, device=self.device)
+            for r in self.ranks
+        ]
         self._staged = None
-        self._args = [launch_args(w) for w in self.shards]
 
     @property
     def ranks(self) -> range:
         return range(self.tp)
 
-    # -- views -------------------------------------------------------------------------------
+    @property
+    def health(self) -> list[torch.Tensor]:
+        return [r.health for r in self.rank_states]
+
+    # -- views of rank ``rank`` -------------------------------------------------------------
     def parity_views(self, rank: int, parity: int) -> dict:
-        off, n = self.compiled.peer[f"parity{parity}"]
-        return region_views(self.peer_buffers[rank][off : off + n], self.compiled.data)
+        return self.rank_states[rank].parity_views(parity)
 
     def flags(self, rank: int) -> torch.Tensor:
-        off, n = self.compiled.peer["flags"]
-        return self.peer_buffers[rank][off : off + n].view(torch.int32)[: self.compiled.table.num_flag_words]
+        return self.rank_states[rank].flags()
 
     def scratch(self, rank: int) -> dict:
-        lay = scratch_layout(self.cfg, self.tp, self.tokens)
-        return region_views(self.scratch_buffers[rank], lay)
+        return self.rank_states[rank].scratch()
 
     def ctl(self, rank: int) -> torch.Tensor:
-        off, _ = self.compiled.scratch["ctl"]
-        return self.scratch_buffers[rank][off : off + 4 * CTL_WORDS].view(torch.int32)
+        return self.rank_states[rank].ctl()
 
     def epoch(self, rank: int = 0) -> int:
-        return int(self.epochs[rank].item())
+        return self.rank_states[rank].epoch()
 
     # -- a run -------------------------------------------------------------------------------
     def load_inputs(self, core, prefix, blocks) -> None:
@@ -413,10 +588,8 @@ class MonoRunner:
                 raise K3InputError(f"{name}: expected device {self.device}, got {t.device}")
         if blocks.stride(-1) != 1:
             blocks = blocks.contiguous()
-        self.core.copy_(core)
-        for r in self.ranks:
-            self.prefix[r].copy_(prefix)
-        self.blocks = blocks
+        for rank in self.rank_states:
+            rank.load_inputs(core, prefix, blocks)
         if self.loopback and self.tp > 1:
             self._prewrite(core, prefix, blocks)
 
@@ -442,90 +615,52 @@ class MonoRunner:
                     views[name][:, r * w : (r + 1) * w].fill_(float("nan"))
 
     def poison(self) -> None:
-        """NaN / -1 into the scratch data regions and the outputs (not ctl)."""
-        for r in self.ranks:
-            for t in self.scratch(r).values():
-                t.fill_(float("nan") if t.dtype.is_floating_point else -1)
-            self.out[r].fill_(float("nan"))
-            if not self.loopback:
-                for parity in (0, 1):
-                    for t in self.parity_views(r, parity).values():
-                        t.fill_(float("nan"))
+        """NaN / -1 into every rank's scratch data regions and out; without loopback
+        also into the peer regions (nothing is in flight between runs)."""
+        for rank in self.rank_states:
+            rank.poison(peer_regions=not self.loopback)
 
     def launch(self, rank: int) -> None:
         """Rank ``rank``'s launch (no sync, no health check)."""
-        if self.broken:
-            raise RuntimeError(f"MonoRunner: broken by an earlier timeout ({self.broken}); call reset()")
-        peers = [self.peer_buffers[rank]] if self.loopback else self.peer_buffers
-        k2_launch(
-            self.key, core=self.core[:, rank * (self.cfg.core_width // self.tp) : (rank + 1) * (self.cfg.core_width // self.tp)],
-            prefix=self.prefix[rank], blocks=self.blocks, **self._args[rank], out=self.out[rank],
-            scratch=self.scratch_buffers[rank], peers=peers, rank=rank, epoch=self.epochs[rank], layer=self.layer,
-            health=self.health[rank], alarm=self.spin_limit, own=self.peer_buffers[rank],
-        )
+        self.rank_states[rank].launch()
 
     def check_health(self) -> None:
-        """Raise MonoTimeout naming rank, task, flag, expected and seen on a failed wait."""
-        from .kernels import sync
-
-        for r in self.ranks:
-            h = self.health[r].tolist()
-            if h[sync.H_ALARM]:
-                table = self.compiled.table
-                ticket, word = h[sync.H_TICKET], h[sync.H_WORD]
-                task = table.tasks[ticket] if 0 <= ticket < len(table.tasks) else None
-                try:
-                    flag, index = table.flag_of_word(word)
-                    flag_name = f"{flag.name}[{index}]"
-                except IndexError:
-                    flag_name = "?"
-                what = f"{task.kind.name} tile {task.tile} token {task.token}" if task else "?"
-                self.broken = (
-                    f"rank {h[sync.H_RANK]} layer {h[sync.H_LAYER]} epoch {h[sync.H_EPOCH]}: ticket {ticket} ({what}) "
-                    f"timed out waiting for flag {flag_name} (word {word}): expected {h[sync.H_EXPECTED]}, "
-                    f"seen {h[sync.H_SEEN]} ({h[sync.H_ALARM]} failed wait(s) on rank {r})"
-                )
-                raise MonoTimeout(f"mono launch: {self.broken}")
+        for rank in self.rank_states:
+            rank.check_health()
 
     def reset(self) -> None:
-        """Zero flags, control words and health; epoch 1 (after a timeout)."""
-        for r in self.ranks:
-            self.flags(r).zero_()
-            self.ctl(r).zero_()
-            self.health[r].zero_()
-            self.epochs[r].fill_(1)
-        self.broken = None
+        """Zero every rank's flags, control words and health; epoch 1 (after a timeout)."""
+        for rank in self.rank_states:
+            rank.reset()
 
-    def run(self) -> None:
-        if not self.loopback and self.tp > 1:
+    def run(self, streams=None, events=None) -> None:
+        """Every rank's launch, then sync and the health check. Without loopback
+        (T > 1) ``streams`` (one a rank) is required: the launches run at once."""
+        if streams is not None:
+            launch_concurrently(self.rank_states, streams, events)
+        elif not self.loopback and self.tp > 1:
             raise K3InputError(
                 "MonoRunner: T > 1 without loopback needs the T launches running at once (blocking cross-rank "
-                "waits); one process runs ranks one after another: use loopback"
+                "waits): pass one stream a rank (peers.green_streams), or use loopback"
             )
-        for r in self.ranks:
-            self.launch(r)
+        else:
+            for rank in self.rank_states:
+                rank.launch()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.check_health()
 
     def result(self, rank: int = 0) -> StagedResult:
-        sc = self.scratch(rank)
-        return StagedResult(
-            moe_out=self.out[rank].clone(),
-            prefix=self.prefix[rank].clone(),
-            route_ids=sc["route_ids"].to(torch.int64),
-            route_weights=sc["route_w"].clone(),
-            router_logits=self.parity_views(rank, (self.epoch(rank) - 1) & 1)["logits"].clone(),
-        )
+        return self.rank_states[rank].result()
 
     def rank_results(self) -> list[StagedResult]:
-        return [self.result(r) for r in self.ranks]
+        return [rank.result() for rank in self.rank_states]
 
-    def layer_post(self, core, prefix, blocks) -> StagedResult:
+    def layer_post(self, core, prefix, blocks, streams=None) -> StagedResult:
         """One layer_post: rank 0's outputs; ``prefix`` itself is not modified."""
         self.load_inputs(core, prefix, blocks)
         self.poison()
-        self.run()
+        self.run(streams)
         return self.result(0)
 
     __call__ = layer_post

@@ -66,7 +66,7 @@ def spawn_ranks(tp: int, worker, args=(), backend: str = "gloo", timeout: timede
             join=True,
             start_method="spawn",
         )
-        return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(tp)]
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(tp)]
 
 
 def all_gather_combine(kind: str, part: torch.Tensor, group=None) -> torch.Tensor:

@@ -157,14 +157,15 @@ def test_the_launch_stays_inside_its_buffers():
     cfg, tokens, layer = preset("tiny"), 3, 13
     shards = shard_all(layer_weights(), cfg, 1)
     runner = MonoRunner(cfg, shards, tokens, layer)
+    rank = runner.rank_states[0]
     guards = []
-    for name in ("peer_buffers", "scratch_buffers"):
-        bufs = getattr(runner, name)
-        n = bufs[0].numel()
+    for name in ("own", "scratch_buffer"):
+        n = getattr(rank, name).numel()
         big = torch.full((n + 2048,), 0xA5, dtype=torch.uint8)
         big[1024 : 1024 + n] = 0
-        bufs[0] = big[1024 : 1024 + n]
+        setattr(rank, name, big[1024 : 1024 + n])
         guards.append((name, big, n))
+    rank.peers = [rank.own]
     runner(**random_inputs(cfg, tokens, layer, seed=8))
     for name, big, n in guards:
         assert (big[:1024] == 0xA5).all() and (big[1024 + n :] == 0xA5).all(), name

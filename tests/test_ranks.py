@@ -52,3 +52,73 @@ def test_a_rank_that_never_arrives_ends_the_others_with_an_error():
         spawn_ranks(2, absent_rank_worker, timeout=timedelta(seconds=20))
     # whichever of the two ends first is named; what matters is that nothing hangs
     assert re.search(r"[Pp]rocess [01] terminated", str(err.value))
+
+
+# -- the mono launch with real peers: one process a rank, CPU shared memory -----------------------
+
+
+def test_mono_ranks_in_processes_meet_the_oracle_and_agree_bit_for_bit(capsys):
+    from k3mono.cli import main
+
+    assert main(["ranks", "--tp", "2", "--tokens", "3", "--device", "cpu"]) == 0
+    table = capsys.readouterr().out
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert all(row[1] == "identical" and row[-1] == "ok" for row in rows), table
+    assert "ranks: all ok" in table
+
+
+def test_four_mono_ranks_in_processes():
+    from k3mono.rankjob import RanksJob, run_ranks
+
+    reports, verdict, _ = run_ranks(RanksJob(tp=4, tokens=2, input_sets=1, device="cpu"))
+    assert verdict.ok, verdict.lines
+    assert [r.rank for r in reports] == [0, 1, 2, 3] and all(len(r.eager) == 1 for r in reports)
+
+
+def test_a_mono_rank_that_never_launches_stops_the_others_naming_it(capsys):
+    """Rank 2 never launches: ranks 0, 1, 3 time out on their first exchange and say
+    that nothing arrived from rank 2; every process exits."""
+    import time
+
+    from k3mono.cli import main
+
+    started = time.time()
+    assert main(["ranks", "--tp", "4", "--device", "cpu", "--absent", "2"]) == 0
+    out = capsys.readouterr().out
+    for rank in (0, 1, 3):
+        assert re.search(rf"rank {rank}: stopped: mono launch: rank {rank} layer 13 epoch 1: .*timed out waiting for "
+                         rf"flag AR1\[\d+\].*exchange ar1: nothing arrived from rank\(s\) \[2\]", out), out
+    assert "rank 2: absent (never launched)" in out
+    assert time.time() - started < 120
+
+
+def test_ranks_asks_for_a_gpu_where_it_needs_one(capsys):
+    from k3mono.cli import main
+    from k3mono.errors import K3InputError
+    from k3mono.rankjob import RanksJob
+
+    with pytest.raises(K3InputError, match="need --device cuda"):
+        RanksJob(tp=2, mode="green", device="cpu")
+    assert main(["ranks", "--tp", "2", "--device", "cpu", "--mode", "green"]) == 2
+    assert main(["ranks", "--tp", "3", "--device", "cpu"]) == 2
+    assert main(["ranks", "--tp", "2", "--device", "cpu", "--absent", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("k3mono: error: ") == 3 and "absent: expected a rank in 0..1, got 5" in err
+
+
+def test_green_partitions_are_whole_sm_groups():
+    from k3mono.errors import K3InputError
+    from k3mono.peers import GREEN_SM_GRANULE, green_partition_sms
+
+    assert [green_partition_sms(t, 132) for t in (1, 2, 4, 8, 16)] == [128, 64, 32, 16, 8]
+    assert all(green_partition_sms(t, 132) % GREEN_SM_GRANULE == 0 for t in (1, 2, 4, 8, 16))
+    with pytest.raises(K3InputError, match="do not fit in 132 SMs"):
+        green_partition_sms(32, 132)
+
+
+def test_host_shared_peer_buffers_are_zeroed_and_shared():
+    from k3mono.peers import host_shared_buffers
+
+    buffers = host_shared_buffers(3, 4096)
+    assert len(buffers) == 3 and all(b.is_shared() and b.numel() == 4096 and not b.any() for b in buffers)
