@@ -1,0 +1,286 @@
+"""M1c: absorbed MLA decode attention over a paged latent KV cache, split along the context.
+
+Shapes: S query tokens, B requests (BP: B rounded up to a power of two),
+HEADS this rank's heads (BLOCK_H a program), SPLITS chunks of each request's
+context, PAGE_SIZE cache rows a page, D_LATENT latent dims (the value width
+too) and D_ROPE positional dims after them (DQK = D_LATENT + D_ROPE, 576 in
+Kimi-K3), BLOCK_N context positions a step.
+
+Program (s, k, head block); b the request of token s, j = s - qsl[b] its
+place among the request's n query tokens, L = seq_lens[b]:
+
+    lo = k * ceil(L / SPLITS),  hi = min(lo + ceil(L / SPLITS), L - n + j + 1)   causal end
+    score[h, t] = scale * (q[s, h, :] . kv[t, :])             t in lo .. hi - 1, all DQK dims
+    online softmax over BLOCK_N positions a step, m the running max:
+        m' = max(m, max_t score);  p = bf16(exp(score - m'))
+        l  = l * exp(m - m') + sum_t p;  acc = acc * exp(m - m') + p @ kv[t, :D_LATENT]
+    o[k, s, h] = acc / l;  lse[k, s, h] = m + log(l)              fp32; 0 and -inf if hi <= lo
+
+Position t of request b is row t % PAGE_SIZE of page pages[indptr[b] + t // PAGE_SIZE].
+The numerics are reference/mla.py's bf16 mode: q, kv and p are the dots'
+bf16 operands (fp8 kv dequantised in registers to bf16(fp32(kv) * kv_scale)),
+everything else fp32. p is rounded against the running max, the reference's
+against the split's max: other last bits, the same size of error.
+
+A program owns one query token, so a request's n query tokens read its cache
+n times; in exchange the grid (S, SPLITS, head blocks) is fixed for a given
+batch shape and needs no host read of the lengths. The heads of one token
+share every cache row (absorbed MLA), so they are the M dim of both dots:
+at TP8 a rank's 12 heads fit one BLOCK_H of 16 and each row is read once.
+D_LATENT and D_ROPE are powers of two (tl.arange), so no dim needs a mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import MAX_TOKENS
+from ..errors import K3InputError, expect_tensor
+from ..planner import next_pow2
+from . import common
+from .common import as_f32, dot_acc, to_bf16
+
+FP8 = torch.float8_e4m3fn
+DOT_MIN = 16  # tl.dot's smallest M, N and K
+
+
+@triton.jit
+def dequant_operand(x, scale, FP8_IN: tl.constexpr):
+    """The bf16 dot operand of a loaded tile: bf16(fp32(x) * scale) for fp8, x itself for bf16."""
+    if FP8_IN:
+        return to_bf16(x.to(tl.float32) * scale)
+    else:
+        return x
+
+
+@triton.jit
+def _request_of(
+    s,
+    qsl_ptr,  # [B + 1] int32: query start offsets
+    B: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """The request that owns token s: how many requests end at or before s."""
+    r = tl.arange(0, BP)
+    ends = tl.load(qsl_ptr + 1 + r, mask=r < B, other=0)
+    return tl.sum(((ends <= s) & (r < B)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _split_range(
+    s,
+    k,
+    b,
+    qsl_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    SPLITS: tl.constexpr,
+):
+    """(lo, hi): the positions of split k that token s of request b sees (empty if hi <= lo)."""
+    first = tl.load(qsl_ptr + b)
+    queries = tl.load(qsl_ptr + b + 1) - first
+    seq_len = tl.load(seq_lens_ptr + b)
+    chunk = tl.cdiv(seq_len, SPLITS)
+    lo = k * chunk
+    return lo, tl.minimum(lo + chunk, seq_len - queries + (s - first) + 1)
+
+
+@triton.jit
+def _cache_rows(
+    pos,  # [BLOCK_N] int32 context positions
+    live,  # [BLOCK_N] pos < hi
+    kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8
+    stride_kvp,
+    stride_kvr,
+    pages_ptr,  # [num_slots] int32: page ids
+    first_slot,  # indptr[b]
+    PAGE_SIZE: tl.constexpr,
+):
+    """[BLOCK_N] pointers to the cache rows of the positions (64-bit: a cache may pass 2^31 bytes)."""
+    page = tl.load(pages_ptr + first_slot + pos // PAGE_SIZE, mask=live, other=0)
+    return kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvr
+
+
+@triton.jit
+def _load_cols(
+    row_ptrs,  # [BLOCK_N] pointers to cache rows
+    live,  # [BLOCK_N]
+    cols,  # [D] column offsets
+    kv_scale,
+    KV_FP8: tl.constexpr,
+):
+    """[BLOCK_N, D] bf16 cache tile; rows past the range are 0."""
+    tile = tl.load(row_ptrs[:, None] + cols[None, :], mask=live[:, None], other=0.0)
+    return dequant_operand(tile, kv_scale, KV_FP8)
+
+
+@triton.jit
+def _mla_attn_kernel(
+    q_ptr,  # [S, HEADS, DQK] bf16, unit stride along DQK
+    stride_qs,
+    stride_qh,
+    kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3, unit stride along DQK
+    stride_kvp,
+    stride_kvr,
+    kv_scale,  # fp32: fp8 dequantisation scale (1.0 for bf16)
+    qsl_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    pages_ptr,  # [num_slots] int32
+    indptr_ptr,  # [B + 1] int32
+    scale,  # fp32 softmax scale
+    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32 out, unit stride along D_LATENT
+    stride_ok,
+    stride_os,
+    stride_oh,
+    lse_ptr,  # [SPLITS, S, HEADS] fp32 out, unit stride along HEADS
+    stride_lk,
+    stride_ls,
+    HEADS: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    s = tl.program_id(0)
+    k = tl.program_id(1)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    live_h = heads < HEADS
+    lat = tl.arange(0, D_LATENT)
+    rope = D_LATENT + tl.arange(0, D_ROPE)
+
+    b = _request_of(s, qsl_ptr, B, BP)
+    lo, hi = _split_range(s, k, b, qsl_ptr, seq_lens_ptr, SPLITS)
+    first_slot = tl.load(indptr_ptr + b)
+
+    q_rows = q_ptr + s * stride_qs + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + lat[None, :], mask=live_h[:, None], other=0.0)  # [BLOCK_H, D_LATENT]
+    q_rope = tl.load(q_rows + rope[None, :], mask=live_h[:, None], other=0.0)  # [BLOCK_H, D_ROPE]
+
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
+    pos0 = lo
+    while pos0 < hi:
+        pos = pos0 + tl.arange(0, BLOCK_N)
+        live = pos < hi
+        rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
+        kv_lat = _load_cols(rows, live, lat, kv_scale, KV_FP8)  # [BLOCK_N, D_LATENT]: keys and values
+        kv_rope = _load_cols(rows, live, rope, kv_scale, KV_FP8)  # [BLOCK_N, D_ROPE]
+        score = dot_acc(q_lat, tl.trans(kv_lat), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
+        score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
+        score = tl.where(live[None, :], score * scale, float("-inf"))
+        # The first position of every step is live, so m_new is finite.
+        m_new = tl.maximum(m, tl.max(score, axis=1))
+        rescale = tl.exp(m - m_new)
+        p = to_bf16(tl.exp(score - m_new[:, None]))
+        l = l * rescale + tl.sum(as_f32(p), axis=1)
+        acc = dot_acc(p, kv_lat, acc * rescale[:, None], UPCAST)
+        m = m_new
+        pos0 += BLOCK_N
+
+    seen = l > 0
+    o = acc / tl.where(seen, l, 1.0)[:, None]
+    lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+    tl.store(o_ptr + k * stride_ok + s * stride_os + heads[:, None] * stride_oh + lat[None, :], o, mask=live_h[:, None])
+    tl.store(lse_ptr + k * stride_lk + s * stride_ls + heads, lse, mask=live_h)
+
+
+def shape_text(t) -> str:
+    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_width(name: str, what: str, width: int) -> None:
+    if width < DOT_MIN or width & (width - 1):
+        raise K3InputError(f"{name}: expected {what} a power of two >= {DOT_MIN}, got {width}")
+
+
+def check_operand_scale(name: str, t: torch.Tensor, scale: float) -> None:
+    """fp8 needs a positive finite scale; a bf16 operand is used as it is (scale 1.0)."""
+    if t.dtype == FP8:
+        if not 0.0 < scale < float("inf"):
+            raise K3InputError(f"{name}_scale: expected a positive finite scale, got {scale}")
+    elif scale != 1.0:
+        raise K3InputError(f"{name}_scale: a {t.dtype} {name} takes scale 1.0, got {scale}")
+
+
+def check_unit_stride(*named) -> None:
+    for name, t in named:
+        if t.stride(-1) != 1:
+            raise K3InputError(f"{name}: expected unit stride along the last dim, got strides {list(t.stride())}")
+
+
+def check_same_device(*named) -> None:
+    device = named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise K3InputError(f"{name}: expected device {device} (as {named[0][0]}), got {t.device}")
+
+
+def check_q(q) -> tuple[int, int, int]:
+    """(S, heads, DQK) of a bf16 q [S, heads, DQK], 1 <= S <= MAX_TOKENS (M1b keeps all
+    S tokens of a head in one program)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise K3InputError(f"q: expected shape [S, heads, DQK], got {shape_text(q)}")
+    if not 1 <= q.shape[0] <= MAX_TOKENS:
+        raise K3InputError(f"q: expected 1 to {MAX_TOKENS} tokens (S), got {q.shape[0]}")
+    expect_tensor("q", q, tuple(q.shape), torch.bfloat16)
+    return tuple(q.shape)
+
+
+def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -> None:
+    """Shapes, dtypes, strides and devices (not the request layout's values: reading
+    them would sync with the device; reference.mla.check_requests states them)."""
+    tokens, heads, dqk = check_q(q)
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.shape[2] != dqk:
+        raise K3InputError(f"kv: expected shape [pages, page_size, {dqk}], got {shape_text(kv)}")
+    if kv.dtype not in (torch.bfloat16, FP8):
+        raise K3InputError(f"kv: expected dtype torch.bfloat16 or {FP8}, got {kv.dtype}")
+    check_operand_scale("kv", kv, kv_scale)
+    if not isinstance(o, torch.Tensor) or o.dim() != 4 or tuple(o.shape[1:3]) != (tokens, heads):
+        raise K3InputError(f"o: expected shape [splits, {tokens}, {heads}, DL], got {shape_text(o)}")
+    splits, latent = o.shape[0], o.shape[3]
+    if splits < 1:
+        raise K3InputError(f"o: expected at least 1 split, got shape {shape_text(o)}")
+    expect_tensor("o", o, (splits, tokens, heads, latent), torch.float32)
+    expect_tensor("lse", lse, (splits, tokens, heads), torch.float32)
+    check_width("o", "DL (the latent width)", latent)
+    check_width("q", "DQK - DL (the positional width)", dqk - latent)
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1:
+        raise K3InputError(f"seq_lens: expected shape [B], got {shape_text(seq_lens)}")
+    requests = seq_lens.shape[0]
+    expect_tensor("seq_lens", seq_lens, (requests,), torch.int32)
+    expect_tensor("qsl", qsl, (requests + 1,), torch.int32)
+    expect_tensor("indptr", indptr, (requests + 1,), torch.int32)
+    if not isinstance(pages, torch.Tensor) or pages.dim() != 1:
+        raise K3InputError(f"pages: expected shape [num_slots], got {shape_text(pages)}")
+    expect_tensor("pages", pages, tuple(pages.shape), torch.int32)
+    named = (("q", q), ("kv", kv), ("qsl", qsl), ("seq_lens", seq_lens), ("pages", pages),
+             ("indptr", indptr), ("o", o), ("lse", lse))
+    check_unit_stride(*named)
+    check_same_device(*named)
+
+
+def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n) -> None:
+    """M1c into o [splits, S, heads, DL] fp32 and lse [splits, S, heads] fp32 (their shapes
+    give splits and DL). q [S, heads, DQK] bf16; kv [pages, page_size, DQK] bf16 or fp8
+    e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32."""
+    check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale)
+    tokens, heads, dqk = q.shape
+    splits, latent = o.shape[0], o.shape[3]
+    requests = seq_lens.shape[0]
+    grid = (tokens, splits, triton.cdiv(heads, block_h))
+    _mla_attn_kernel[grid](
+        q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), float(kv_scale),
+        qsl, seq_lens, pages, indptr, float(scale),
+        o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
+        HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
+        D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n,
+        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT,
+    )

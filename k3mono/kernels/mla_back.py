@@ -1,0 +1,185 @@
+"""M1b: the MLA decode back-end: combine the splits, the absorbed V projection, the output gate.
+
+Shapes: S tokens (SP: padded to a power of two, at least 16 for tl.dot),
+HEADS this rank's heads, SPLITS (SPLITS_P padded) context splits of M1c,
+D_LATENT the latent width (BLOCK_K a step), D_V = 128 the head's value width
+(BLOCK_DV a program).
+
+Program (h, block of BLOCK_DV value rows d), for every token s at once:
+
+    lse_all[s] = log(sum_k exp(lse[k, s, h]))                fp32; empty splits (-inf) add 0
+    o_c[s]     = bf16(sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :])   [D_LATENT]
+    y[s, d]    = o_c[s] . w_v[h, d, :]                        fp32 (fp8 w_v: bf16(fp32(w_v) * w_v_scale))
+    core[s, h*D_V + d] = bf16(y[s, d] * sigmoid(gate[s, h*D_V + d]))
+
+These are reference/mla.py's bf16-mode roundings. All tokens share a
+program so each w_v tile is read once for the launch (w_v is the one large
+read of this stage: heads x 128 x 512 bf16, 1.5 MB a rank at TP8); the
+split outputs o are small and come from L2. D_LATENT and D_V are powers of
+two (tl.arange, tl.dot), so only the tokens need a mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import K3InputError, expect_tensor
+from ..planner import next_pow2
+from . import common
+from .common import as_f32, dot_acc, sigmoid, to_bf16
+from .mla_attn import (
+    DOT_MIN,
+    FP8,
+    check_operand_scale,
+    check_same_device,
+    check_unit_stride,
+    check_width,
+    dequant_operand,
+    shape_text,
+)
+
+
+@triton.jit
+def _total_lse(
+    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
+    stride_lk,
+    stride_ls,
+    h,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    """[SP] fp32: log-sum-exp over the splits of each token (0 for padded tokens)."""
+    split = tl.arange(0, SPLITS_P)
+    tok = tl.arange(0, SP)
+    mask = (split < SPLITS)[:, None] & (tok < S)[None, :]
+    lse = tl.load(lse_ptr + split[:, None] * stride_lk + tok[None, :] * stride_ls + h, mask=mask, other=0.0)
+    lse = tl.where((split < SPLITS)[:, None], lse, float("-inf"))
+    top = tl.max(lse, axis=0)  # finite: every token sees position 0, in split 0
+    return top + tl.log(tl.sum(tl.exp(lse - top[None, :]), axis=0))
+
+
+@triton.jit
+def _combined_cols(
+    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
+    stride_ok,
+    stride_os,
+    stride_oh,
+    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
+    stride_lk,
+    stride_ls,
+    h,
+    k0,
+    lse_all,  # [SP] fp32
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[SP, BLOCK_K] bf16: o_c[:, k0 : k0 + BLOCK_K], the splits added in order."""
+    tok = tl.arange(0, SP)
+    live = tok < S
+    cols = k0 + tl.arange(0, BLOCK_K)
+    acc = tl.zeros([SP, BLOCK_K], dtype=tl.float32)
+    for k in tl.static_range(SPLITS):
+        lse = tl.load(lse_ptr + k * stride_lk + tok * stride_ls + h, mask=live, other=float("-inf"))
+        o = tl.load(o_ptr + k * stride_ok + tok[:, None] * stride_os + h * stride_oh + cols[None, :],
+                    mask=live[:, None], other=0.0)
+        acc += tl.exp(lse - lse_all)[:, None] * o
+    return to_bf16(acc)
+
+
+@triton.jit
+def _mla_back_kernel(
+    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
+    stride_ok,
+    stride_os,
+    stride_oh,
+    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
+    stride_lk,
+    stride_ls,
+    w_v_ptr,  # [HEADS, D_V, D_LATENT] bf16 or fp8 e4m3, unit stride along D_LATENT
+    stride_wh,
+    stride_wd,
+    w_v_scale,  # fp32: fp8 dequantisation scale (1.0 for bf16)
+    gate_ptr,  # [S, HEADS * D_V] bf16 output-gate logits, head-major, unit column stride
+    stride_gs,
+    core_ptr,  # [S, HEADS * D_V] bf16 out, unit column stride
+    stride_cs,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    W_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    h = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    tok = tl.arange(0, SP)
+    live = tok < S
+
+    lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
+    w_rows = w_v_ptr + h * stride_wh + rows[:, None] * stride_wd
+    y = tl.zeros([SP, BLOCK_DV], dtype=tl.float32)
+    for k0 in tl.static_range(0, D_LATENT, BLOCK_K):
+        o_c = _combined_cols(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
+                             h, k0, lse_all, S, SP, SPLITS, BLOCK_K)
+        w = dequant_operand(tl.load(w_rows + k0 + tl.arange(0, BLOCK_K)[None, :]), w_v_scale, W_FP8)
+        y = dot_acc(o_c, tl.trans(w), y, UPCAST)
+
+    cols = h * D_V + rows
+    gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
+    tl.store(core_ptr + tok[:, None] * stride_cs + cols[None, :], to_bf16(y * sigmoid(gate)), mask=live[:, None])
+
+
+def check_w_v(w_v) -> tuple[int, int, int]:
+    """(heads, DV, DL) of a bf16 or fp8 w_v [heads, DV, DL]."""
+    if not isinstance(w_v, torch.Tensor) or w_v.dim() != 3:
+        raise K3InputError(f"w_v: expected shape [heads, DV, DL], got {shape_text(w_v)}")
+    if w_v.dtype not in (torch.bfloat16, FP8):
+        raise K3InputError(f"w_v: expected dtype torch.bfloat16 or {FP8}, got {w_v.dtype}")
+    return tuple(w_v.shape)
+
+
+def check_mla_back_args(o, lse, w_v, gate, core, w_v_scale) -> None:
+    """Shapes, dtypes, strides and devices of M1b's tensors."""
+    if not isinstance(o, torch.Tensor) or o.dim() != 4:
+        raise K3InputError(f"o: expected shape [splits, S, heads, DL], got {shape_text(o)}")
+    splits, tokens, heads, latent = o.shape
+    expect_tensor("o", o, (splits, tokens, heads, latent), torch.float32)
+    expect_tensor("lse", lse, (splits, tokens, heads), torch.float32)
+    if check_w_v(w_v) != (heads, w_v.shape[1], latent):
+        raise K3InputError(f"w_v: expected shape [{heads}, DV, {latent}], got {shape_text(w_v)}")
+    check_operand_scale("w_v", w_v, w_v_scale)
+    value = w_v.shape[1]
+    check_width("o", "DL (the latent width)", latent)
+    check_width("w_v", "DV (the value width)", value)
+    expect_tensor("gate", gate, (tokens, heads * value), torch.bfloat16)
+    expect_tensor("core", core, (tokens, heads * value), torch.bfloat16)
+    named = (("o", o), ("lse", lse), ("w_v", w_v), ("gate", gate), ("core", core))
+    check_unit_stride(*named)
+    check_same_device(*named)
+
+
+def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, block_k, block_dv) -> None:
+    """M1b into core [S, heads * DV] bf16. o [splits, S, heads, DL] fp32 and lse
+    [splits, S, heads] fp32 from M1c; w_v [heads, DV, DL] bf16 or fp8 e4m3 (w_v_scale);
+    gate [S, heads * DV] bf16. block_k and block_dv are capped at DL and DV."""
+    check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
+    splits, tokens, heads, latent = o.shape
+    value = w_v.shape[1]
+    block_dv = min(block_dv, value)
+    _mla_back_kernel[(heads, value // block_dv)](
+        o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
+        w_v, w_v.stride(0), w_v.stride(1), float(w_v_scale), gate, gate.stride(0), core, core.stride(0),
+        S=tokens, SP=max(DOT_MIN, next_pow2(tokens)), SPLITS=splits, SPLITS_P=next_pow2(splits),
+        D_LATENT=latent, D_V=value, BLOCK_K=min(block_k, latent), BLOCK_DV=block_dv,
+        W_FP8=w_v.dtype == FP8, UPCAST=common.UPCAST_DOT,
+    )

@@ -1,0 +1,95 @@
+"""The MLA decode stages of one rank, staged: M1c (kernels/mla_attn.py) then M1b
+(kernels/mla_back.py), one launch each. The spec is reference/mla.py.
+
+Shapes: S query tokens, B requests, heads (96 / T), splits, DQK = 576
+(512 latent + 64 positional), DL = 512, DV = 128:
+
+    q [S, heads, DQK] bf16, kv [pages, page_size, DQK] bf16 or fp8 e4m3 (kv_scale),
+    qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32, scale
+    -> o [splits, S, heads, DL] fp32, lse [splits, S, heads] fp32          (M1c)
+    w_v [heads, DV, DL] bf16 or fp8 e4m3 (w_v_scale), gate [S, heads * DV] bf16
+    -> core [S, heads * DV] bf16                                            (M1b)
+
+The request layout's values are not read here (that would sync with the
+device): each request has 1 <= n_b <= seq_lens[b] query tokens and
+ceil(seq_lens[b] / page_size) valid page ids from indptr[b] on
+(reference.mla.check_requests checks them).
+
+Geometry, and why:
+
+* ``DEFAULT_SPLITS`` = 16: M1c runs S x splits x ceil(heads / BLOCK_H)
+  programs, so at TP8 (12 heads, one head block) and 8 tokens it fills the
+  132 SMs of an H100/H200 once, while the split outputs M1b reads back
+  (splits x heads x DL x 4 bytes = 384 KB a token) stay small next to a
+  long context's cache read (576 bytes a position in fp8, 1152 in bf16).
+* ``ATTN_BLOCK_H`` = 16 heads a program: tl.dot's smallest M; a TP8 rank's
+  12 heads fit one block, so every cache row is read once per token and split.
+* ``ATTN_BLOCK_N`` = 32 positions a step: a 32 x 512 bf16 latent tile is
+  32 KB of shared memory, and the fp32 accumulator [16, 512] is another
+  32 KB of registers (64 a thread at 4 warps); larger steps would spill.
+* ``BACK_BLOCK_DV`` = 64 value rows a program (2 programs a head, 24 at TP8)
+  and ``BACK_BLOCK_K`` = 64 latent columns a step: an 8 KB bf16 w_v tile and
+  a [16, 64] fp32 tile of each split's o a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import K3InputError
+from .kernels.mla_attn import check_mla_attn_args, check_q, launch_mla_attn, shape_text
+from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
+from .reference.mla import LATENT_DIM
+
+DEFAULT_SPLITS = 16
+ATTN_BLOCK_H = 16
+ATTN_BLOCK_N = 32
+BACK_BLOCK_DV = 64
+BACK_BLOCK_K = 64
+
+
+def split_outputs(q, splits: int, latent_dim: int):
+    """Uninitialised (o [splits, S, heads, DL] fp32, lse [splits, S, heads] fp32) for q."""
+    tokens, heads, _ = check_q(q)
+    if not isinstance(splits, int) or splits < 1:
+        raise K3InputError(f"splits: expected a positive int, got {splits!r}")
+    o = torch.empty(splits, tokens, heads, latent_dim, dtype=torch.float32, device=q.device)
+    return o, torch.empty(splits, tokens, heads, dtype=torch.float32, device=q.device)
+
+
+def mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, *, kv_scale=1.0, splits=DEFAULT_SPLITS,
+             latent_dim=LATENT_DIM):
+    """M1c alone: (o [splits, S, heads, DL] fp32, lse [splits, S, heads] fp32)."""
+    o, lse = split_outputs(q, splits, latent_dim)
+    launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale,
+                    block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N)
+    return o, lse
+
+
+def core_like(gate) -> torch.Tensor:
+    """An uninitialised bf16 core of gate's shape [S, heads * DV]."""
+    if not isinstance(gate, torch.Tensor) or gate.dim() != 2:
+        raise K3InputError(f"gate: expected shape [S, heads * DV], got {shape_text(gate)}")
+    return torch.empty(gate.shape, dtype=torch.bfloat16, device=gate.device)
+
+
+def mla_back(o, lse, w_v, gate, *, w_v_scale=1.0) -> torch.Tensor:
+    """M1b alone: core [S, heads * DV] bf16 from M1c's o and lse."""
+    core = core_like(gate)
+    launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, block_k=BACK_BLOCK_K, block_dv=BACK_BLOCK_DV)
+    return core
+
+
+def mla_decode(q, kv, qsl, seq_lens, pages, indptr, scale, w_v, gate, *, kv_scale=1.0, w_v_scale=1.0,
+               splits=DEFAULT_SPLITS) -> torch.Tensor:
+    """M1c then M1b, two launches: core [S, heads * DV] bf16. Both stages' inputs
+    are checked before the first launch."""
+    _, _, latent = check_w_v(w_v)
+    o, lse = split_outputs(q, splits, latent)
+    core = core_like(gate)
+    check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale)
+    check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
+    launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale,
+                    block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N)
+    launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, block_k=BACK_BLOCK_K, block_dv=BACK_BLOCK_DV)
+    return core
