@@ -18,7 +18,9 @@ from .validate import check_tokens
 CHECK_PRESET = "tiny"
 CHECK_LAYERS = (1, 13)
 """Layer 1 sees one AttnRes block, layer 13 two: both sides of a block boundary."""
-CHECK_TOKENS = (1, 3, 16)
+CHECK_TOKENS = (1, 3)
+"""One token (decode) and an odd count (masking). S = 16, the most a launch takes, is in
+the kernel tests; here it would triple the interpreter's time on a CPU-only machine."""
 CHECK_TPS = (1, 2, 4)
 
 

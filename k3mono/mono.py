@@ -366,6 +366,7 @@ class MonoRank:
         self.out = torch.empty((S, cfg.hidden_size), dtype=torch.bfloat16, device=dev)
         self.blocks = None
         self.broken = None
+        self.symmetric_handle = None  # keeps a symmetric-memory mapping of the peers alive
         self._args = launch_args(shard)
 
     # -- views -------------------------------------------------------------------------------
@@ -474,6 +475,27 @@ class MonoRank:
             route_weights=sc["route_w"].clone(),
             router_logits=self.parity_views((self.epoch() - 1) & 1)["logits"].clone(),
         )
+
+
+def distributed_mono_rank(cfg: K3Config, shard: LayerWeights, tokens: int, layer: int, *, group=None, device,
+                          spin_limit: int = DEFAULT_SPIN, options: MonoOptions | None = None) -> MonoRank:
+    """This process's rank of ``group`` (default: the world), its peer buffers
+    set up through symmetric memory over the group (collective: every rank of
+    the group calls it with the same cfg, tokens, layer and options). Flags
+    are system-scope: peers write over NVLink or from other processes."""
+    import torch.distributed as dist
+
+    from .peers import symmetric_buffers
+
+    group = group or dist.group.WORLD
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if shard.tp != tp or shard.rank != rank:
+        raise K3InputError(f"shard: expected rank {rank} of {tp} (the group's), got rank {shard.rank} of {shard.tp}")
+    key = mono_key(cfg, tokens, tp, layer, loopback=False, sms=device_sms(device), options=options, scope="sys")
+    buffers, handle = symmetric_buffers(buffer_bytes(build(key).peer), device, group)
+    state = MonoRank(key, shard, rank, buffers[rank], buffers, layer=layer, spin_limit=spin_limit, device=device)
+    state.symmetric_handle = handle
+    return state
 
 
 def launch_concurrently(ranks, streams, events=None) -> None:

@@ -158,20 +158,16 @@ def mono_rank_worker(rank: int, tp: int, job: RanksJob, host_buffers) -> RankRep
     """One process's rank (ranks.spawn_ranks calls it in a gloo group)."""
     import torch.distributed as dist
 
-    from .mono import MonoRank, MonoTimeout, buffer_bytes, build, device_sms, mono_key
-    from .peers import symmetric_buffers
+    from .mono import MonoRank, device_sms, distributed_mono_rank, mono_key
 
     device = _rank_device(job, rank)
     cfg, my_shard = _rank_shard(job, rank, device)
-    key = mono_key(cfg, job.tokens, tp, job.layer, loopback=False, sms=device_sms(device),
-                   scope="sys" if device.type == "cuda" else "gpu")
-    handle = None
     if device.type == "cuda":
-        buffers, handle = symmetric_buffers(buffer_bytes(build(key).peer), device)
+        state = distributed_mono_rank(cfg, my_shard, job.tokens, job.layer, device=device, spin_limit=job.spin_limit)
     else:
-        buffers = host_buffers
-    state = MonoRank(key, my_shard, rank, buffers[rank], buffers, layer=job.layer, spin_limit=job.spin_limit,
-                     device=device)
+        key = mono_key(cfg, job.tokens, tp, job.layer, loopback=False, sms=device_sms(device))
+        state = MonoRank(key, my_shard, rank, host_buffers[rank], host_buffers, layer=job.layer,
+                         spin_limit=job.spin_limit, device=device)
     report = RankReport(rank)
     try:
         _eager_runs(job, cfg, state, report, device)
@@ -179,7 +175,6 @@ def mono_rank_worker(rank: int, tp: int, job: RanksJob, host_buffers) -> RankRep
             _graph_replays(job, cfg, state, report, device)
     finally:
         dist.barrier()  # no rank's buffer goes away while another may still read it
-        del handle
     return report
 
 
