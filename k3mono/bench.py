@@ -246,7 +246,7 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES) -> dict:
+def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool = False) -> dict:
     if not torch.cuda.is_available():
         from .errors import K3InputError
 
@@ -270,6 +270,11 @@ def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES) -> dict:
             row["stage_bandwidth_share"] = stage_bandwidth(row, bandwidth)
         print(_stage_table(rows, bandwidth), flush=True)
         torch.cuda.empty_cache()
+    if mla:
+        from .bench_mla import bench_mla
+
+        print("-- MLA decode: M1c and M1b, one rank of TP8", flush=True)
+        results["mla"] = bench_mla(bandwidth, device)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{results['date']}-{results['commit']}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1))

@@ -281,3 +281,32 @@ def test_bf16_kv_with_a_scale_is_refused():
     batch = make_batch([1], [20])
     with pytest.raises(K3InputError, match=r"^kv_scale: "):
         mla.mla_decode(*batch.layout, batch.w_v, batch.gate, kv_scale=0.5, splits=2)
+
+
+def test_bench_inputs_are_valid_requests_and_the_floor_counts_their_bytes():
+    from k3mono.bench_mla import PAGE_SIZE, make_inputs
+    from k3mono.reference.mla import check_requests
+
+    for kv_dtype, itemsize in (("fp8", 1), ("bf16", 2)):
+        inputs = make_inputs(3, 2 * PAGE_SIZE + 5, kv_dtype, "cpu", seed=1, heads=2)
+        check_requests(inputs.q, inputs.kv, inputs.qsl, inputs.seq_lens, inputs.pages, inputs.indptr)
+        assert sorted(inputs.pages.tolist()) == list(range(9)) and inputs.pages.tolist() != list(range(9))
+        assert inputs.cache_bytes == 3 * (2 * PAGE_SIZE + 5) * 576 * itemsize
+        small = 3 * 2 * 576 * 2 + 2 * 128 * 512 * 2 + 3 * 2 * 128 * 2
+        assert inputs.floor_bytes == inputs.cache_bytes + small
+
+
+def test_bench_calls_compute_what_mla_decode_computes():
+    """The benchmark's fixed-buffer calls (captured in CUDA graphs there) are the staged path."""
+    from k3mono.bench_mla import attn_call, back_call, make_inputs
+    from k3mono.mla import mla_decode
+
+    inputs = make_inputs(2, 70, "fp8", "cpu", seed=2, heads=2, page_size=16)
+    attn, o, lse = attn_call(inputs, splits=4)
+    back, core = back_call(inputs, o, lse)
+    core.fill_(float("nan"))
+    attn()
+    back()
+    want = mla_decode(inputs.q, inputs.kv, inputs.qsl, inputs.seq_lens, inputs.pages, inputs.indptr, inputs.scale,
+                      inputs.w_v, inputs.gate, kv_scale=inputs.kv_scale, splits=4)
+    assert torch.equal(core.view(torch.int16), want.view(torch.int16))
