@@ -131,13 +131,19 @@ def load_config(ckpt_dir) -> K3Config:
     return K3Config.from_file(Path(ckpt_dir) / CONFIG_FILE)
 
 
-def load_layer(ckpt_dir, layer: int, cfg: K3Config | None = None) -> tuple[K3Config, LayerWeights]:
-    """The whole layer (tp = 1) from a checkpoint folder; K3InputError on anything wrong."""
+def check_layer(ckpt_dir, layer: int, cfg: K3Config | None = None) -> tuple[K3Config, dict[str, list[TensorSpec]]]:
+    """Without reading tensors: the config, and shard file -> the layer's specs in it;
+    K3InputError on a layer out of range, a tensor not mapped or a shard file missing."""
     ckpt_dir = Path(ckpt_dir)
     cfg = cfg if cfg is not None else load_config(ckpt_dir)
     cfg.validate_layer(layer)
-    specs = tensor_specs(cfg, layer)
-    by_shard = _locate(ckpt_dir, specs)
+    return cfg, _locate(ckpt_dir, tensor_specs(cfg, layer))
+
+
+def load_layer(ckpt_dir, layer: int, cfg: K3Config | None = None) -> tuple[K3Config, LayerWeights]:
+    """The whole layer (tp = 1) from a checkpoint folder; K3InputError on anything wrong."""
+    ckpt_dir = Path(ckpt_dir)
+    cfg, by_shard = check_layer(ckpt_dir, layer, cfg)
     with contextlib.ExitStack() as stack:
         handles = {shard: stack.enter_context(_open_shard(ckpt_dir / shard)) for shard in by_shard}
         for shard, shard_specs in by_shard.items():

@@ -91,10 +91,7 @@ def cmd_ranks(args) -> int:
         checkpoint=str(args.checkpoint) if args.checkpoint else None, device=device, mode=args.mode,
         absent=args.absent,
     )
-    if job.checkpoint is None:
-        from .config import preset
-
-        preset(job.preset).validate_tp(job.tp)
+    job.config().validate_tp(job.tp)
     print(
         f"ranks: T={job.tp} S={job.tokens} layer {job.layer} mode {job.mode} device {device} "
         f"weights {job.checkpoint or 'random ' + job.preset} input sets {job.input_sets} replays {job.replays}"

@@ -84,6 +84,16 @@ class RanksJob:
             return FAULT_SPIN
         return CPU_SPIN if self.device == "cpu" else DEFAULT_SPIN
 
+    def config(self) -> K3Config:
+        """The run's config (the checkpoint's, or the preset), its layer validated."""
+        if self.checkpoint is not None:
+            from .checkpoint import check_layer
+
+            return check_layer(self.checkpoint, self.layer)[0]
+        cfg = preset(self.preset)
+        cfg.validate_layer(self.layer)
+        return cfg
+
     def weights(self, device) -> tuple[K3Config, LayerWeights]:
         """The whole layer on ``device``: the checkpoint's, or seeded random ones."""
         if self.checkpoint is not None:
@@ -91,8 +101,7 @@ class RanksJob:
 
             cfg, full = load_layer(self.checkpoint, self.layer)
             return cfg, full.to(device)
-        cfg = preset(self.preset)
-        cfg.validate_layer(self.layer)
+        cfg = self.config()
         return cfg, random_shard(cfg, 1, self.seed, device)
 
     def inputs(self, cfg: K3Config, index: int, device) -> dict:
@@ -248,18 +257,11 @@ def run_procs(job: RanksJob) -> list[RankReport]:
 
     host_buffers = None
     if job.device == "cpu":
-        cfg = preset(job.preset) if job.checkpoint is None else _checkpoint_config(job.checkpoint)
-        key = mono_key(cfg, job.tokens, job.tp, job.layer, loopback=False, sms=device_sms("cpu"))
+        key = mono_key(job.config(), job.tokens, job.tp, job.layer, loopback=False, sms=device_sms("cpu"))
         host_buffers = host_shared_buffers(job.tp, buffer_bytes(build(key).peer))
     elif torch.cuda.device_count() < job.tp:
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     return spawn_ranks(job.tp, mono_rank_worker, (job, host_buffers))
-
-
-def _checkpoint_config(folder: str) -> K3Config:
-    from .checkpoint import load_config
-
-    return load_config(folder)
 
 
 # -- ranks in one process, launched at once --------------------------------------------------

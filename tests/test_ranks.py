@@ -122,3 +122,11 @@ def test_host_shared_peer_buffers_are_zeroed_and_shared():
 
     buffers = host_shared_buffers(3, 4096)
     assert len(buffers) == 3 and all(b.is_shared() and b.numel() == 4096 and not b.any() for b in buffers)
+
+
+def test_ranks_checks_the_checkpoint_before_it_spawns(tmp_path, capsys):
+    from k3mono.cli import main
+
+    make_checkpoint(tmp_path / "ckpt", "tiny", (LAYER,), seed=4)
+    assert main(["ranks", "--tp", "2", "--device", "cpu", "--checkpoint", str(tmp_path / "ckpt"), "--layer", "12"]) == 2
+    assert "layers.12.self_attn.o_proj.weight is missing" in capsys.readouterr().err

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything the H200 has to check and time, in one call and in order of need,
+# each step bounded so a slow one cannot starve the rest. Writes logs and JSON
+# under $OUT (results/ holds the JSON for benchmarks/results/).
+#
+#   K3MONO_COMMIT=<hash> bash benchmarks/device_session.sh [steps...]
+#
+# Steps (default: all, in this order): check ranks bench mla sweep
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-/tmp/k3mono-out}"
+RESULTS="$OUT/results"
+mkdir -p "$RESULTS"
+STEPS="${*:-check ranks bench mla sweep}"
+
+step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its tail
+    local name=$1 limit=$2
+    shift 2
+    local started=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc, $((SECONDS - started)) s" | tee -a "$OUT/$name.txt"
+    tail -n 12 "$OUT/$name.txt"
+}
+
+nvidia-smi -L
+for s in $STEPS; do
+    case $s in
+    check)
+        step gpu_check 240 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 16 ;;
+    ranks)
+        step ranks_green_t8 150 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --replays 100 --out "$RESULTS"
+        step ranks_green_t8_s16 120 python3 -m k3mono ranks --tp 8 --tokens 16 --mode green --replays 100 --out "$RESULTS"
+        step ranks_fault 60 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --input-sets 1 --absent 3 --out "$RESULTS"
+        step ranks_procs_t2 90 python3 -m k3mono ranks --tp 2 --tokens 3 --mode procs --preset tiny --replays 100 --out "$RESULTS" ;;
+    bench)
+        step bench 420 python3 -m k3mono bench --tp 8 --tokens 1 8 16 --out "$RESULTS" ;;
+    mla)
+        step bench_mla 420 python3 -m k3mono bench --tp 8 --tokens 1 --mla --out "$RESULTS" ;;
+    sweep)
+        step mono_sweep 300 python3 benchmarks/mono_sweep.py ;;
+    *)
+        echo "unknown step $s" ;;
+    esac
+done
