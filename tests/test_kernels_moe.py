@@ -41,6 +41,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 import zlib
 
 import pytest
@@ -377,3 +381,37 @@ def test_expert_launchers_check_their_inputs():
         launch_expert_down(act, ids, torch.zeros(S, K), w.w2_packed, w.w1_scale, torch.zeros(S, L), geom, cfg)
     with pytest.raises(K3InputError, match="route_ids"):
         launch_route(torch.zeros(S, cfg.num_experts), w.router_bias, ids.long(), torch.zeros(S, K), geom, cfg)
+
+
+_SM90_BUILDS = textwrap.dedent(
+    r"""
+    from k3mono import offline
+    from k3mono.config import preset
+    from k3mono.mono import DEFAULT_CTAS_PER_SM
+
+    cfg = preset("kimi-k3")
+    for name, compiled, values in offline.expert_builds(cfg, 8, 1):
+        usage = offline.resource_usage(compiled)
+        assert usage["stack"] == 0, (name, usage)
+        loop = max(offline.sass_loops(compiled), key=len)
+        ops = offline.opcode_counts(loop)
+        # the IMAD placement holds: one IMAD a value places the nibble (not a shift pair)
+        assert ops["IMAD"] >= values and ops["SHF"] < values / 2, (name, ops.most_common(8))
+        print(name, round(len(loop) / values, 2))
+    compiled, _ = offline.mono_build(cfg, 8, 1, loopback=False)
+    fits = offline.ctas_per_sm(offline.resource_usage(compiled), compiled.metadata.num_warps)
+    assert fits >= DEFAULT_CTAS_PER_SM, f"the mono kernel fits {fits} CTAs a SM, the grid is planned for {DEFAULT_CTAS_PER_SM}"
+    print("ok")
+    """
+)
+
+
+def test_sm90_builds_place_nibbles_with_imad_and_mono_fits_its_planned_ctas():
+    """Offline Hopper builds (k3mono/offline.py, no GPU): the expert kernels' hot
+    loops place each nibble with one IMAD and do not spill; the mono kernel's
+    registers leave room for the CTAs a SM its grid is planned for. Runs in a
+    child process: the interpreter, on in this one, cannot compile."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SM90_BUILDS], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:] + proc.stdout[-2000:]

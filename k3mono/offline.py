@@ -1,0 +1,167 @@
+"""Builds for a GPU this machine need not have: a kernel compiled for Hopper
+(sm_90a) from the arguments its real launcher passes, then read back.
+
+Triton compiles for any target it is told; ptxas, cuobjdump and nvdisasm ship
+in the Triton wheel. So on a CPU-only machine one can see what the device
+would run: registers, spills and shared memory (how many CTAs fit a SM), and
+the SASS of a hot loop (instructions a value). The launch itself is
+intercepted: the launcher validates and packs its arguments as always, the
+kernel is compiled instead of run.
+
+This needs real builds: import the kernels with TRITON_INTERPRET unset (the
+interpreter's kernels cannot compile), e.g. in a subprocess of the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+import torch
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SM_REGISTERS = 65536
+SM_SHARED_BYTES = 228 * 1024
+SM_MAX_THREADS = 2048
+_TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def capture_launch(kernel, launch) -> tuple[tuple, dict, tuple]:
+    """(args, kwargs, grid) that ``launch()`` passes to ``kernel`` (not run)."""
+    if not hasattr(kernel, "params"):
+        raise RuntimeError("offline builds need TRITON_INTERPRET unset before the kernels are imported")
+    captured = {}
+
+    def intercept(*args, grid, warmup, **kwargs):
+        captured.update(args=args, kwargs=kwargs, grid=grid)
+
+    kernel.run, saved = intercept, kernel.run
+    try:
+        launch()
+    finally:
+        kernel.run = saved
+    return captured["args"], captured["kwargs"], captured["grid"]
+
+
+def compile_hopper(kernel, args, kwargs):
+    """The kernel as the launch would build it, for sm_90a (a triton CompiledKernel)."""
+    backend = make_backend(HOPPER)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(kwargs, debug=False, instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+
+
+def build_launch(kernel, launch):
+    """compile_hopper of what ``launch()`` would launch: (compiled, grid)."""
+    args, kwargs, grid = capture_launch(kernel, launch)
+    return compile_hopper(kernel, args, kwargs), grid
+
+
+def _cuobjdump(compiled, *flags) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        tool = os.path.join(_TOOLS, "cuobjdump")
+        return subprocess.run([tool, *flags, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(compiled) -> dict:
+    """ptxas's count: registers, stack bytes (spills land there), shared bytes (static + dynamic)."""
+    found = dict(re.findall(r"(REG|STACK):(\d+)", _cuobjdump(compiled, "-res-usage")))
+    return {"registers": int(found["REG"]), "stack": int(found["STACK"]), "shared": compiled.metadata.shared}
+
+
+def ctas_per_sm(usage: dict, num_warps: int) -> int:
+    """CTAs of this build an SM holds at once (registers, shared memory, threads)."""
+    threads = 32 * num_warps
+    by_registers = SM_REGISTERS // (usage["registers"] * threads)
+    by_shared = SM_SHARED_BYTES // max(usage["shared"], 1)
+    return min(by_registers, by_shared, SM_MAX_THREADS // threads)
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
+_BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+def sass_loops(compiled) -> list[list[str]]:
+    """The opcodes of every loop body in the SASS: the instructions from a
+    backward branch's target to the branch (cuobjdump names targets by address)."""
+    code = []
+    for line in _cuobjdump(compiled, "-sass").splitlines():
+        found = _INSTRUCTION.search(line)
+        if found:
+            code.append((int(found.group(1), 16), found.group(2), found.group(3)))
+    loops = []
+    for at, (address, opcode, operands) in enumerate(code):
+        target = _BRANCH_TARGET.search(operands) if opcode == "BRA" else None
+        if target and int(target.group(1), 16) < address:
+            start = next(i for i, (a, _, _) in enumerate(code) if a >= int(target.group(1), 16))
+            loops.append([op for _, op, _ in code[start : at + 1]])
+    return loops
+
+
+def opcode_counts(body: list[str]) -> Counter:
+    """Opcodes by their base name (IMAD.SHL.U32 -> IMAD.SHL, LDG.E.128 -> LDG)."""
+    def base(op: str) -> str:
+        head, _, rest = op.partition(".")
+        return f"{head}.{rest.split('.')[0]}" if head == "IMAD" and rest else head
+
+    return Counter(base(op) for op in body)
+
+
+# -- builds of this project's kernels at a config's shapes ------------------------------------
+
+H200_SMS = 132
+LAYER = 13  # any MoE layer with two AttnRes blocks
+
+
+def empty_shard(cfg, tp: int):
+    """A rank's shard of the right shapes and dtypes (a build reads no values)."""
+    from .weights import LayerWeights, shard_shapes
+
+    tensors = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in shard_shapes(cfg, tp).items()}
+    return LayerWeights(tp=tp, rank=0, **tensors)
+
+
+def mono_build(cfg, tp: int, tokens: int, loopback: bool):
+    """The mono kernel of rank 0 as the host path launches it: (compiled, grid)."""
+    from .kernels import mono as mono_kernels
+    from .mono import MonoRank, buffer_bytes, build, mono_key
+    from .synthetic import random_inputs
+
+    key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS)
+    buffers = [torch.zeros(buffer_bytes(build(key).peer), dtype=torch.uint8) for _ in range(1 if loopback else tp)]
+    rank = MonoRank(key, empty_shard(cfg, tp), 0, buffers[0], buffers, layer=LAYER, spin_limit=1, device="cpu")
+    rank.load_inputs(**random_inputs(cfg, tokens, LAYER, seed=0))
+    return build_launch(mono_kernels._mono_kernel, rank.launch)
+
+
+def expert_builds(cfg, tp: int, tokens: int):
+    """(name, compiled, weight values a thread handles per step of the hot loop)."""
+    from .kernels import experts
+    from .planner import stage_geometry
+
+    geom, shard = stage_geometry(cfg, tp, tokens), empty_shard(cfg, tp)
+    K, L, I_R = cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
+    ids = torch.zeros(tokens, K, dtype=torch.int32)
+    act = torch.zeros(tokens, K, I_R, dtype=torch.bfloat16)
+    z = torch.zeros(tokens, L, dtype=torch.bfloat16)
+    gate_up, _ = build_launch(experts._expert_gate_up_kernel, lambda: experts.launch_expert_gate_up(
+        z, ids, shard.w1_packed, shard.w1_scale, shard.w3_packed, shard.w3_scale, act, geom, cfg))
+    down, _ = build_launch(experts._expert_down_kernel, lambda: experts.launch_expert_down(
+        act, ids, torch.zeros(tokens, K), shard.w2_packed, shard.w2_scale, torch.zeros(tokens, L), geom, cfg))
+    per_step = {
+        "expert_gate_up": 2 * geom.expert_gate_up.rows * geom.expert_gate_up.block_k // (32 * geom.expert_gate_up.warps),
+        "expert_down": geom.expert_down.rows * geom.expert_down.block_k // (32 * geom.expert_down.warps),
+    }
+    return [("expert_gate_up", gate_up, per_step["expert_gate_up"]), ("expert_down", down, per_step["expert_down"])]
