@@ -5,14 +5,14 @@
 #
 #   K3MONO_COMMIT=<hash> bash benchmarks/device_session.sh [steps...]
 #
-# Steps (default: all, in this order): check ranks bench mla sweep
+# Steps (default: all, in this order): check ranks bench variants mla sweep
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/k3mono-out}"
 RESULTS="$OUT/results"
 mkdir -p "$RESULTS"
-STEPS="${*:-check ranks bench mla sweep}"
+STEPS="${*:-check ranks bench variants mla sweep}"
 
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its tail
     local name=$1 limit=$2
@@ -36,6 +36,8 @@ for s in $STEPS; do
         step ranks_procs_t2 90 python3 -m k3mono ranks --tp 2 --tokens 3 --mode procs --preset tiny --replays 100 --out "$RESULTS" ;;
     bench)
         step bench 420 python3 -m k3mono bench --tp 8 --tokens 1 8 16 --out "$RESULTS" ;;
+    variants)
+        step mono_variants 420 python3 benchmarks/mono_variants.py --tokens 1 8 ;;
     mla)
         step bench_mla 420 python3 -m k3mono bench --tp 8 --tokens 1 --mla --out "$RESULTS" ;;
     sweep)

@@ -130,7 +130,7 @@ def _time_unfused(cfg, weight_sets, tokens: int) -> float | None:
     return seconds
 
 
-def _mono_runners(cfg, tp: int, tokens: int, weight_sets: list, **runner_options) -> list:
+def mono_runners(cfg, tp: int, tokens: int, weight_sets: list, **runner_options) -> list:
     """One MonoRunner per weight set, rank 0's launch in loopback (T > 1: every
     rank shares rank 0's tensors; the other ranks' pushes are pre-written by one
     staged run, into both parities, so every replay finds them)."""
@@ -153,7 +153,7 @@ def time_mono(cfg, tp: int, tokens: int, weight_sets: list, **runner_options) ->
     CUDA-graph replays over the rotated weight sets (the launch needs no host
     work between replays: its last CTA resets the ticket counter and advances
     the epoch). The health buffers are checked after the timing."""
-    runners = _mono_runners(cfg, tp, tokens, weight_sets, **runner_options)
+    runners = mono_runners(cfg, tp, tokens, weight_sets, **runner_options)
     seconds = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
     torch.cuda.synchronize()
     for runner in runners:
@@ -271,10 +271,14 @@ def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool 
         print(_stage_table(rows, bandwidth), flush=True)
         torch.cuda.empty_cache()
     if mla:
-        from .bench_mla import bench_mla
+        from .bench_mla import bench_m1b_fold, bench_mla
 
         print("-- MLA decode: M1c and M1b, one rank of TP8", flush=True)
         results["mla"] = bench_mla(bandwidth, device)
+        print("-- M1b folded into the mono launch, one rank of TP8", flush=True)
+        weight_sets = [random_shard(cfg, 8, seed=s, device=device) for s in range(WEIGHT_SETS)]
+        results["m1b_fold"] = bench_m1b_fold(cfg, weight_sets, tokens_list, BENCH_LAYER)
+        del weight_sets
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{results['date']}-{results['commit']}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1))

@@ -17,8 +17,10 @@ Rows per (cache dtype, context, S), medians of CUDA-graph replays
     m1b        M1b alone, after the best M1c
     staged     M1c then M1b, two launches
 
-The fused rows (M1b, then M1b + M1c, inside the mono launch) join these
-once the mono launch runs them.
+The fused M1b row (``bench_m1b_fold``): rank 0's mono launch of TP8 in
+loopback with M1b folded in (MonoOptions.m1b) against the plain launch on
+the same weights, at each S: the issue's "folding M1b in adds at most
+1.5 us". M1c inside the launch is not built yet.
 """
 
 from __future__ import annotations
@@ -181,4 +183,68 @@ def bench_mla(bandwidth: float, device, tokens_list=TOKENS, contexts=CONTEXTS, k
             for tokens in tokens_list:
                 rows.append(bench_case(tokens, context, kv_dtype, bandwidth, device))
                 print(row_text(rows[-1]), flush=True)
+    return rows
+
+
+FOLD_SPLITS = 16
+"""M1c splits the folded M1b combines (M1b reads splits x S x heads x DL fp32)."""
+
+
+def m1b_inputs(cfg, tokens: int, tp: int, device, seed: int) -> dict:
+    """One rank's M1b inputs (a dict as MonoRank.load_m1b_inputs takes it)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    heads = cfg.num_attention_heads // tp
+    o = torch.randn(FOLD_SPLITS, tokens, heads, LATENT_DIM, generator=g, device=device)
+    lse = torch.randn(FOLD_SPLITS, tokens, heads, generator=g, device=device)
+    w_v = torch.randn(heads, cfg.v_head_dim, LATENT_DIM, generator=g, device=device) / math.sqrt(LATENT_DIM)
+    gate = torch.randn(tokens, heads * cfg.v_head_dim, generator=g, device=device)
+    return dict(o=o, lse=lse, w_v=w_v.to(torch.bfloat16), w_v_scale=1.0, gate=gate.to(torch.bfloat16))
+
+
+def m1b_runners(cfg, tp: int, tokens: int, weight_sets: list, layer: int) -> list:
+    """One loopback MonoRunner with M1b folded in per weight set (every rank shares
+    rank 0's tensors), its inputs loaded: rank 0's launch is ready to replay."""
+    import dataclasses
+
+    from .mono import DEFAULT_CTAS_PER_SM, MonoRunner
+    from .planner import M1bShape, MonoOptions
+    from .synthetic import random_inputs
+
+    options = MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, m1b=M1bShape(splits=FOLD_SPLITS, latent=LATENT_DIM))
+    runners = []
+    for seed, shard in enumerate(weight_sets):
+        device = shard.o_proj.device
+        runner = MonoRunner(cfg, [dataclasses.replace(shard, rank=r) for r in range(tp)], tokens, layer, options=options)
+        inputs = {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=1000 + seed).items()}
+        m1b = m1b_inputs(cfg, tokens, tp, device, seed)
+        runner.load_mla_inputs([m1b] * tp, inputs["prefix"], inputs["blocks"])
+        runners.append(runner)
+    return runners
+
+
+def time_mono_m1b(cfg, tp: int, tokens: int, weight_sets: list, layer: int) -> float:
+    """Seconds per launch of rank 0 with M1b folded in, replays rotated over the
+    weight sets as bench.time_mono does for the plain launch."""
+    from .timing import time_graph
+
+    runners = m1b_runners(cfg, tp, tokens, weight_sets, layer)
+    seconds = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
+    torch.cuda.synchronize()
+    for runner in runners:
+        runner.check_health()
+    return seconds
+
+
+def bench_m1b_fold(cfg, weight_sets: list, tokens_list, layer: int) -> list[dict]:
+    """Per S: the plain mono launch and the one with M1b folded in (us)."""
+    from .bench import time_mono
+
+    rows = []
+    for tokens in tokens_list:
+        plain = time_mono(cfg, weight_sets[0].tp, tokens, weight_sets)
+        fused = time_mono_m1b(cfg, weight_sets[0].tp, tokens, weight_sets, layer)
+        rows.append({"tokens": tokens, "mono_us": 1e6 * plain, "mono_m1b_us": 1e6 * fused,
+                     "m1b_adds_us": 1e6 * (fused - plain)})
+        print(f"S={tokens:>2}: mono {1e6 * plain:8.1f} us, with M1b folded in {1e6 * fused:8.1f} us "
+              f"(+{1e6 * (fused - plain):.1f} us)", flush=True)
     return rows

@@ -7,6 +7,9 @@ activations the launch reads: its heads of ``core``, ``prefix``, the AttnRes
 ``blocks`` and the peer regions the exchanges land in (layout.peer_layout; the
 launch reads all of each, its own slot included). Writes and the scratch
 round trips (x, activations, latent) are not counted: they stay in L2.
+On an MLA layer whose launch runs M1b (``m1b``, a planner.M1bShape) the rank's
+w_v is a weight, M1c's split outputs o and lse and the gate are activations,
+and core is one of those scratch round trips.
 
 Shapes: S tokens, H hidden, C core width, T ranks, nb AttnRes blocks.
 """
@@ -18,6 +21,7 @@ import math
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError
 from .layout import PEER_REGIONS, peer_layout
+from .planner import M1bShape
 from .weights import shard_shapes
 
 EXPERT_TENSORS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
@@ -40,25 +44,32 @@ def deepest_nblocks(cfg: K3Config) -> int:
     return cfg.num_blocks(cfg.num_hidden_layers - 1)
 
 
-def weight_bytes(cfg: K3Config, tp: int, unique_experts: int) -> dict[str, int]:
-    """name -> bytes of one rank's weights the launch reads (weights.py field names)."""
+def weight_bytes(cfg: K3Config, tp: int, unique_experts: int, m1b: M1bShape | None = None) -> dict[str, int]:
+    """name -> bytes of one rank's weights the launch reads (weights.py field names; w_v with m1b)."""
     out = {}
     for name, (shape, dtype) in shard_shapes(cfg, tp).items():
         nbytes = _tensor_bytes(shape, dtype)
         if name in EXPERT_TENSORS:
             nbytes = nbytes // cfg.num_experts * unique_experts
         out[name] = nbytes
+    if m1b is not None:  # w_v [heads/T, v_head_dim, DL]
+        out["w_v"] = cfg.num_attention_heads // tp * cfg.v_head_dim * m1b.latent * (1 if m1b.w_v_fp8 else BF16_BYTES)
     return out
 
 
-def activation_bytes(cfg: K3Config, tp: int, tokens: int, nblocks: int) -> dict[str, int]:
+def activation_bytes(cfg: K3Config, tp: int, tokens: int, nblocks: int, m1b: M1bShape | None = None) -> dict[str, int]:
     """name -> bytes of the activations one rank's launch reads."""
-    S, H = tokens, cfg.hidden_size
-    out = {
-        "core": S * (cfg.core_width // tp) * BF16_BYTES,  # the rank's heads
-        "prefix": S * H * BF16_BYTES,
-        "blocks": S * nblocks * H * BF16_BYTES,
-    }
+    S, H, heads = tokens, cfg.hidden_size, cfg.num_attention_heads // tp
+    if m1b is None:
+        out = {"core": S * (cfg.core_width // tp) * BF16_BYTES}  # the rank's heads
+    else:
+        out = {
+            "o": m1b.splits * S * heads * m1b.latent * 4,  # fp32
+            "lse": m1b.splits * S * heads * 4,
+            "gate": S * (cfg.core_width // tp) * BF16_BYTES,
+        }
+    out["prefix"] = S * H * BF16_BYTES
+    out["blocks"] = S * nblocks * H * BF16_BYTES
     layout = peer_layout(cfg, tp, tokens)
     for name in PEER_REGIONS:
         _, shape, dtype = layout[name]
@@ -67,14 +78,15 @@ def activation_bytes(cfg: K3Config, tp: int, tokens: int, nblocks: int) -> dict[
 
 
 def floor_bytes(
-    cfg: K3Config, tp: int, tokens: int, unique_experts: int | None = None, *, nblocks: int | None = None
+    cfg: K3Config, tp: int, tokens: int, unique_experts: int | None = None, *, nblocks: int | None = None,
+    m1b: M1bShape | None = None,
 ) -> dict:
     """The bytes one rank's launch must read.
 
     unique_experts: distinct routed experts (default ``min(S*K, E)``; the
     planner plans every (token, slot) as distinct, so it matches ``S*K``).
     nblocks: AttnRes blocks of the layer (``cfg.num_blocks(layer)``; default
-    the deepest layer's, the largest).
+    the deepest layer's, the largest). m1b: the launch runs M1b (module docstring).
 
     Returns {"weights": {name: bytes}, "activations": {name: bytes},
     "weight_bytes", "activation_bytes", "total"}.
@@ -88,8 +100,8 @@ def floor_bytes(
     nblocks = deepest_nblocks(cfg) if nblocks is None else nblocks
     if not isinstance(nblocks, int) or nblocks < 1:
         raise K3InputError(f"nblocks: expected a positive integer, got {nblocks!r}")
-    weights = weight_bytes(cfg, tp, unique_experts)
-    activations = activation_bytes(cfg, tp, tokens, nblocks)
+    weights = weight_bytes(cfg, tp, unique_experts, m1b)
+    activations = activation_bytes(cfg, tp, tokens, nblocks, m1b)
     return {
         "weights": weights,
         "activations": activations,

@@ -27,9 +27,12 @@ Geometry, and why:
 * ``ATTN_BLOCK_N`` = 32 positions a step: a 32 x 512 bf16 latent tile is
   32 KB of shared memory, and the fp32 accumulator [16, 512] is another
   32 KB of registers (64 a thread at 4 warps); larger steps would spill.
-* ``BACK_BLOCK_DV`` = 64 value rows a program (2 programs a head, 24 at TP8)
-  and ``BACK_BLOCK_K`` = 64 latent columns a step: an 8 KB bf16 w_v tile and
-  a [16, 64] fp32 tile of each split's o a step.
+* ``BACK_BLOCK_DV`` and ``BACK_BLOCK_K``: M1b's tile, shared with the mono
+  launch's M1B tasks, so the planner holds them (and why).
+
+``staged_mla_layer_post`` is an MLA layer's post-attention half staged: M1b
+per rank, then the staged layer (the mono launch runs both in one:
+mono.MonoRunner with MonoOptions(m1b=...)).
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ import torch
 from .errors import K3InputError
 from .kernels.mla_attn import check_mla_attn_args, check_q, launch_mla_attn, shape_text
 from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
+from .planner import BACK_BLOCK_DV, BACK_BLOCK_K
 from .reference.mla import LATENT_DIM
 
 DEFAULT_SPLITS = 16
 ATTN_BLOCK_H = 16
 ATTN_BLOCK_N = 32
-BACK_BLOCK_DV = 64
-BACK_BLOCK_K = 64
+
+M1B_INPUTS = ("o", "lse", "w_v", "w_v_scale", "gate")
+"""The keys of one rank's M1b input dict (mla_back's arguments)."""
 
 
 def split_outputs(q, splits: int, latent_dim: int):
@@ -93,3 +98,33 @@ def mla_decode(q, kv, qsl, seq_lens, pages, indptr, scale, w_v, gate, *, kv_scal
                     block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N)
     launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, block_k=BACK_BLOCK_K, block_dv=BACK_BLOCK_DV)
     return core
+
+
+def check_m1b_keys(name: str, m1b_in) -> None:
+    """m1b_in is a dict of exactly M1B_INPUTS."""
+    if not isinstance(m1b_in, dict) or set(m1b_in) != set(M1B_INPUTS):
+        got = sorted(m1b_in) if isinstance(m1b_in, dict) else type(m1b_in).__name__
+        raise K3InputError(f"{name}: expected a dict of {list(M1B_INPUTS)}, got {got}")
+
+
+def rank_cores(m1b_in_per_rank) -> torch.Tensor:
+    """The whole core [S, heads * DV] bf16: each rank's M1b (one launch a rank) on its
+    own heads' inputs (a dict o, lse, w_v, w_v_scale, gate, as mla_back takes them),
+    side by side in rank order. Every rank's inputs are checked before the first launch."""
+    for rank, m in enumerate(m1b_in_per_rank):
+        check_m1b_keys(f"m1b_in[{rank}]", m)
+    cores = [core_like(m["gate"]) for m in m1b_in_per_rank]
+    for m, core in zip(m1b_in_per_rank, cores):
+        check_mla_back_args(m["o"], m["lse"], m["w_v"], m["gate"], core, m["w_v_scale"])
+    for m, core in zip(m1b_in_per_rank, cores):
+        launch_mla_back(m["o"], m["lse"], m["w_v"], m["gate"], core, w_v_scale=m["w_v_scale"],
+                        block_k=BACK_BLOCK_K, block_dv=BACK_BLOCK_DV)
+    return torch.cat(cores, dim=1)
+
+
+def staged_mla_layer_post(staged, m1b_in_per_rank, prefix, blocks):
+    """An MLA layer staged: M1b of every rank (its own launch each), then
+    ``staged`` (a staged.StagedLayer) on the core they wrote: rank 0's outputs."""
+    if len(m1b_in_per_rank) != staged.tp:
+        raise K3InputError(f"m1b_in: expected one dict a rank ({staged.tp}), got {len(m1b_in_per_rank)}")
+    return staged(rank_cores(m1b_in_per_rank), prefix, blocks)

@@ -3,9 +3,10 @@
 Build key and cache
     ``MonoBuild`` (frozen): the config, tokens, T, option bits, the AttnRes
     candidate pad, loopback, the SM count the grid is planned for, the
-    prefetch mode and the flag scope. ``build(key)`` plans the task table
-    (planner.plan) and derives every constexpr and region offset; the result
-    is cached per key (the table tensor per device).
+    prefetch mode, the flag scope and, on an MLA layer whose launch runs M1b
+    first, the shape of M1b's inputs (planner.M1bShape). ``build(key)`` plans
+    the task table (planner.plan) and derives every constexpr and region
+    offset; the result is cached per key (the table tensor per device).
 
 Buffers of a rank (flat uint8, every region REGION_ALIGN-aligned)
     peer     [parity 0 | parity 1 | flags]: each parity is layout.peer_layout
@@ -28,6 +29,8 @@ k2_launch argument names (the seed's) -> LayerWeights fields
     w13 (w1_packed, w3_packed), w13s (w1_scale, w3_scale) (pairs likewise),
     w2 w2_packed, w2s w2_scale, ln_w latent_norm, w_up latent_up.
     ``alarm`` is the wait bound: polls a wait may spin before it gives up.
+    ``m1b_in`` (M1b builds only): the rank's heads' o, lse, w_v, w_v_scale and
+    gate (kernels/mla_back.py); the launch writes ``core`` from them first.
 
 Ranks
     ``MonoRank``: one rank's state (scratch, epoch word, health, input copies,
@@ -46,19 +49,24 @@ Ranks
     processes (ranks.py) run one MonoRank each. A rank launched alone times
     out cleanly, naming the exchange and the ranks whose pushes never came.
     T = 1 is the same in both modes.
+    MLA layers (options.m1b): ``layer_post_mla(m1b_in, prefix, blocks)``, one
+    dict of M1b inputs a rank; each rank's launch writes its own core from
+    its heads' inputs. In loopback the other ranks' pushes come from a staged
+    run on the core every rank's staged M1b writes (mla.rank_cores).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .config import MAX_TOKENS, K3Config
-from .errors import K3InputError
+from .errors import K3InputError, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
-from .planner import COL, PEER_FLAGS, MonoOptions, next_pow2, plan
+from .planner import COL, PEER_FLAGS, M1bShape, MonoOptions, next_pow2, plan, timing_variant
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_layer_inputs
 from .weights import LayerWeights
@@ -103,6 +111,8 @@ class MonoBuild:
     ctas_per_sm: int = 1
     prefetch: int = DEFAULT_PREFETCH  # 0 never, 1 when a wait would block, 2 always
     scope: str = "gpu"
+    m1b: M1bShape | None = None  # with the m1b bit of opt (MonoOptions.m1b)
+    variant: tuple[str, int] | None = None  # (how, TaskKind code): planner.timing_variant, timing only
 
     def __post_init__(self):
         if not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
@@ -114,7 +124,7 @@ class MonoBuild:
 
     @property
     def options(self) -> MonoOptions:
-        return MonoOptions.from_bits(self.opt, self.ctas_per_sm)
+        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b)
 
 
 # -- layouts -------------------------------------------------------------------------------
@@ -199,6 +209,8 @@ def build(key: MonoBuild) -> Compiled:
 
     cfg, T, S = key.cfg, key.tp, key.tokens
     table = plan(cfg, T, S, key.sms, key.options)
+    if key.variant is not None:
+        table = timing_variant(table, *key.variant)
     g = table.geometry
     H, C, E, L = cfg.hidden_size, cfg.core_width, cfg.num_experts, cfg.routed_expert_hidden_size
     I, SI = cfg.moe_intermediate_size, cfg.shared_intermediate
@@ -233,14 +245,51 @@ def build(key: MonoBuild) -> Compiled:
         X_B=elems(scratch["x"][0], 2), IDS_I=elems(scratch["route_ids"][0], 4), RW_F=elems(scratch["route_w"][0], 4),
         ACT_B=elems(scratch["expert_act"][0], 2), LAT_B=elems(scratch["latent"][0], 2),
         SACT_B=elems(scratch["shared_act"][0], 2), CTL_I=elems(scratch["ctl"][0], 4),
-        PREFETCH=key.prefetch, SCOPE=key.scope,
+        PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b),
     )
     compiled = Compiled(key, table, _table_rows(table, key.loopback), grid, consts, peer, scratch, data)
     _CACHE[key] = compiled
     return compiled
 
 
+def _m1b_consts(m1b) -> dict:
+    """The M1B constexprs; without M1B the branch is compiled out and these are 1s."""
+    if m1b is None:
+        return dict(M1B=False, M1B_SP=1, SPLITS=1, SPLITS_P=1, D_LATENT=1, D_V=1, M1B_BK=1, M1B_DV=1, W_V_FP8=False)
+    return dict(M1B=True, M1B_SP=m1b.tokens_pad, SPLITS=m1b.splits, SPLITS_P=next_pow2(m1b.splits),
+                D_LATENT=m1b.latent, D_V=m1b.value, M1B_BK=m1b.block_k, M1B_DV=m1b.block_dv, W_V_FP8=m1b.w_v_fp8)
+
+
 # -- the launcher ----------------------------------------------------------------------------
+
+def check_m1b_inputs(key: MonoBuild, m1b_in, core) -> None:
+    """m1b_in is given iff ``key`` runs M1b, shaped for the key (the rank's heads,
+    its splits, latent width and w_v dtype) and as kernels/mla_back.py takes it."""
+    from .kernels.mla_back import FP8, check_mla_back_args
+    from .mla import check_m1b_keys
+
+    if key.m1b is None:
+        if m1b_in is not None:
+            raise K3InputError("m1b_in: this build runs no M1b (MonoOptions.m1b unset): expected None")
+        return
+    check_m1b_keys("m1b_in", m1b_in)
+    g, S = build(key).table.geometry.m1b, key.tokens
+    w_v_dtype = FP8 if g.w_v_fp8 else torch.bfloat16
+    expect_tensor("o", m1b_in["o"], (g.splits, S, g.heads, g.latent), torch.float32)
+    expect_tensor("lse", m1b_in["lse"], (g.splits, S, g.heads), torch.float32)
+    expect_tensor("w_v", m1b_in["w_v"], (g.heads, g.value, g.latent), w_v_dtype)
+    expect_tensor("gate", m1b_in["gate"], (S, g.heads * g.value), torch.bfloat16)
+    check_mla_back_args(m1b_in["o"], m1b_in["lse"], m1b_in["w_v"], m1b_in["gate"], core, m1b_in["w_v_scale"])
+
+
+def _m1b_args(m1b_in, core) -> list:
+    """The kernel's M1b arguments (o .. stride_gs); placeholders without M1b."""
+    if m1b_in is None:
+        return [core, 0, 0, 0, core, 0, 0, core, 0, 0, 1.0, core, 0]
+    o, lse, w_v, gate = m1b_in["o"], m1b_in["lse"], m1b_in["w_v"], m1b_in["gate"]
+    return [o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
+            w_v, w_v.stride(0), w_v.stride(1), float(m1b_in["w_v_scale"]), gate, gate.stride(0)]
+
 
 
 def _pair(name, value):
@@ -279,6 +328,7 @@ def k2_launch(
     health,
     alarm,
     own=None,
+    m1b_in=None,
 ) -> None:
     """One rank's layer_post in one launch (on the current stream).
 
@@ -289,10 +339,12 @@ def k2_launch(
     peer buffers (loopback: the rank's own only); own: the rank's own peer
     buffer (default peers[rank], loopback peers[0]); epoch: int32 [1] device
     word (the launch's epoch; advanced by the launch); health: int32
-    [HEALTH_WORDS]; alarm: the wait bound in polls."""
+    [HEALTH_WORDS]; alarm: the wait bound in polls. m1b_in: required iff
+    key.m1b (check_m1b_inputs): the launch writes core from it first."""
     from .kernels.mono import _mono_kernel
 
     c = build(key)
+    check_m1b_inputs(key, m1b_in, core)
     peers = list(peers)
     if len(peers) != c.consts["NP"]:
         raise K3InputError(f"peers: expected {c.consts['NP']} buffers, got {len(peers)}")
@@ -309,10 +361,10 @@ def k2_launch(
     nb = key.cfg.num_blocks(layer)
     views = lambda b, dt: b.view(dt)  # noqa: E731
     _mono_kernel[(c.grid,)](
-        c.rows_on(core.device), core, core.stride(0), w_o, prefix, prefix.stride(0), blocks, blocks.stride(0),
-        blocks.stride(1), nb, ares_nw, ares_qk, in_nw, float(key.cfg.rms_norm_eps), w_gate, bias,
-        float(key.cfg.routed_scaling_factor), w_ld, w_sg, w_su, w_sd, w1, w1s, w3, w3s, w2, w2s, ln_w, w_up,
-        out, out.stride(0),
+        c.rows_on(core.device), core, core.stride(0), *_m1b_args(m1b_in, core), w_o, prefix, prefix.stride(0),
+        blocks, blocks.stride(0), blocks.stride(1), nb, ares_nw, ares_qk, in_nw, float(key.cfg.rms_norm_eps),
+        w_gate, bias, float(key.cfg.routed_scaling_factor), w_ld, w_sg, w_su, w_sd, w1, w1s, w3, w3s, w2, w2s, ln_w,
+        w_up, out, out.stride(0),
         views(scratch, torch.bfloat16), views(scratch, torch.int32), views(scratch, torch.float32),
         views(own, torch.float32), views(own, torch.bfloat16), views(own, torch.int32),
         tuple(views(p, torch.float32) for p in peers), tuple(views(p, torch.bfloat16) for p in peers),
@@ -365,9 +417,20 @@ class MonoRank:
         self.prefix = torch.empty((S, cfg.hidden_size), dtype=torch.bfloat16, device=dev)
         self.out = torch.empty((S, cfg.hidden_size), dtype=torch.bfloat16, device=dev)
         self.blocks = None
+        self.m1b_in = None  # M1b builds: the rank's heads' M1b inputs (load_m1b_inputs)
         self.broken = None
         self.symmetric_handle = None  # keeps a symmetric-memory mapping of the peers alive
         self._args = launch_args(shard)
+
+    def timing_variant(self, how: str, kind) -> "MonoRank":
+        """This rank's launch on a timing variant of its table (planner.timing_variant:
+        skip or double one task kind), sharing every buffer, flag and epoch word
+        of this rank: launch the plain rank first, the variant then reads what it
+        wrote. Its outputs are not layer_post's; its time is the point."""
+        varied = copy.copy(self)
+        varied.key = dataclasses.replace(self.key, variant=(how, int(kind)))
+        varied.compiled = build(varied.key)
+        return varied
 
     # -- views -------------------------------------------------------------------------------
     def parity_views(self, parity: int) -> dict:
@@ -398,13 +461,25 @@ class MonoRank:
         self.prefix.copy_(prefix)
         self.blocks = blocks
 
+    def load_m1b_inputs(self, m1b_in, prefix, blocks) -> None:
+        """An MLA layer (M1b build): this rank's heads' M1b inputs (checked, then
+        read in place: the launch writes core from them), a copy of prefix;
+        ``blocks`` as load_inputs."""
+        check_m1b_inputs(self.key, m1b_in, self.core)
+        self.m1b_in = dict(m1b_in)
+        self.prefix.copy_(prefix)
+        self.blocks = blocks
+
     def poison(self, peer_regions: bool) -> None:
-        """NaN / -1 into the scratch data regions and out (not ctl); with
-        ``peer_regions`` also into both parities of the own peer buffer (only
-        safe while no other rank can be pushing into it)."""
+        """NaN / -1 into the scratch data regions and out (not ctl), and into core
+        where the launch writes it (M1b); with ``peer_regions`` also into both
+        parities of the own peer buffer (only safe while no other rank can be
+        pushing into it)."""
         for t in self.scratch().values():
             t.fill_(float("nan") if t.dtype.is_floating_point else -1)
         self.out.fill_(float("nan"))
+        if self.key.m1b is not None:
+            self.core.fill_(float("nan"))
         if peer_regions:
             for parity in (0, 1):
                 for t in self.parity_views(parity).values():
@@ -417,7 +492,7 @@ class MonoRank:
         k2_launch(
             self.key, core=self.core, prefix=self.prefix, blocks=self.blocks, **self._args, out=self.out,
             scratch=self.scratch_buffer, peers=self.peers, rank=self.rank, epoch=self.epoch_word, layer=self.layer,
-            health=self.health, alarm=self.spin_limit, own=self.own,
+            health=self.health, alarm=self.spin_limit, own=self.own, m1b_in=self.m1b_in,
         )
 
     def check_health(self) -> None:
@@ -535,7 +610,8 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
 
     options = options or MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM)
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
-                     loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope)
+                     loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
+                     m1b=options.m1b)
 
 
 class MonoRunner:
@@ -548,7 +624,9 @@ class MonoRunner:
     one stream a rank (``peers.green_streams``: disjoint SM partitions, and
     ``sms`` the SMs of one partition, for which the grid is planned).
     ``layer_post(core, prefix, blocks)`` returns rank 0's outputs
-    (staged.StagedResult); ``rank_results()`` every rank's."""
+    (staged.StagedResult); ``rank_results()`` every rank's. With
+    ``options.m1b`` (an MLA layer) ``layer_post_mla(m1b_in, prefix, blocks)``
+    instead: one dict of M1b inputs a rank (check_m1b_inputs)."""
 
     def __init__(self, cfg: K3Config, shards, tokens: int, layer: int, *, device=None, loopback=None,
                  options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH,
@@ -601,19 +679,45 @@ class MonoRunner:
         return self.rank_states[rank].epoch()
 
     # -- a run -------------------------------------------------------------------------------
-    def load_inputs(self, core, prefix, blocks) -> None:
+    def _checked_activations(self, core, prefix, blocks):
+        """blocks, contiguous in its last dim, once core, prefix and blocks passed the checks."""
         tokens = check_layer_inputs(self.cfg, self.layer, core, prefix, blocks)
         if tokens != self.tokens:
             raise K3InputError(f"core: expected {self.tokens} tokens (this MonoRunner's build), got {tokens}")
         for name, t in (("core", core), ("prefix", prefix), ("blocks", blocks)):
             if t.device != self.device:
                 raise K3InputError(f"{name}: expected device {self.device}, got {t.device}")
-        if blocks.stride(-1) != 1:
-            blocks = blocks.contiguous()
+        return blocks if blocks.stride(-1) == 1 else blocks.contiguous()
+
+    def load_inputs(self, core, prefix, blocks) -> None:
+        if self.key.m1b is not None:
+            raise K3InputError("core: this MonoRunner runs M1b and writes core itself; use layer_post_mla(m1b_in, ...)")
+        blocks = self._checked_activations(core, prefix, blocks)
         for rank in self.rank_states:
             rank.load_inputs(core, prefix, blocks)
         if self.loopback and self.tp > 1:
             self._prewrite(core, prefix, blocks)
+
+    def load_mla_inputs(self, m1b_in, prefix, blocks) -> None:
+        """An MLA layer's inputs (M1b build): m1b_in one dict a rank, every one
+        checked before anything runs. In loopback the other ranks' pushes come
+        from the core every rank's staged M1b writes."""
+        from .mla import rank_cores
+
+        if self.key.m1b is None:
+            raise K3InputError("m1b_in: this MonoRunner runs no M1b (options.m1b unset); use layer_post(core, ...)")
+        if not isinstance(m1b_in, (list, tuple)) or len(m1b_in) != self.tp:
+            got = len(m1b_in) if isinstance(m1b_in, (list, tuple)) else type(m1b_in).__name__
+            raise K3InputError(f"m1b_in: expected one dict of M1b inputs a rank ({self.tp}), got {got}")
+        for rank, inputs in zip(self.rank_states, m1b_in):
+            check_m1b_inputs(self.key, inputs, rank.core)
+        # core is the launch's own output: a stand-in of its shape lets the shared check judge prefix and blocks
+        shape_of_core = torch.empty((self.tokens, self.cfg.core_width), dtype=torch.bfloat16, device=self.device)
+        blocks = self._checked_activations(shape_of_core, prefix, blocks)
+        for rank, inputs in zip(self.rank_states, m1b_in):
+            rank.load_m1b_inputs(inputs, prefix, blocks)
+        if self.loopback and self.tp > 1:
+            self._prewrite(rank_cores(m1b_in), prefix, blocks)
 
     def _prewrite(self, core, prefix, blocks) -> None:
         """Every rank's buffer gets the other ranks' pushes of this input (a staged
@@ -686,3 +790,10 @@ class MonoRunner:
         return self.result(0)
 
     __call__ = layer_post
+
+    def layer_post_mla(self, m1b_in, prefix, blocks, streams=None) -> StagedResult:
+        """One MLA layer's layer_post with M1b in the launch: rank 0's outputs."""
+        self.load_mla_inputs(m1b_in, prefix, blocks)
+        self.poison()
+        self.run(streams)
+        return self.result(0)

@@ -25,13 +25,16 @@ kernel file holds no magic numbers. Why these values:
   AttnRes need a whole row, so they take one token per program; the reduces
   (AR1 + prefix, AR3) are elementwise and take one token's chunk of
   ``vector_block`` columns per program (S * H / vector_block programs).
+* M1b (the MLA back-end, kernels/mla_back.py) cuts a rank's heads into tasks
+  of ``BACK_BLOCK_DV`` value rows of one head, each for all S tokens, so each
+  w_v tile is read once a launch (``M1bGeometry``).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -51,6 +54,16 @@ FMA_TILE = (8, 512)
 
 DOT_TILE = (16, 256)
 """(rows, block_k) of a dense GEMV task on the tl.dot path: 8 KB of bf16 weight a step."""
+
+
+BACK_BLOCK_DV = 64
+"""Value rows of one head an M1b task (or program) produces: 2 a head, 24 tasks
+at TP8 (12 heads of 128), so M1b spreads over a fifth of an H200 while each
+task still reads an 8 KB bf16 w_v tile a step."""
+
+BACK_BLOCK_K = 64
+"""Latent columns an M1b step covers: an 8 KB bf16 w_v tile (64 x 64) and a
+[16, 64] fp32 tile of each split's o a step."""
 
 
 def next_pow2(n: int) -> int:
@@ -81,6 +94,56 @@ class StageGeometry:
     # Warps of latent_norm (staged launch): on the latency chain, one CTA keeps a
     # token's T partial slots in flight at once, so more warps than the reduces.
     latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
+    m1b: "M1bGeometry | None" = None  # the mono launch's M1b tasks (MonoOptions.m1b)
+
+
+@dataclass(frozen=True)
+class M1bShape:
+    """What an MLA layer's M1b inputs look like (a build-key part: the launch's
+    constexprs): ``splits`` M1c context splits, ``latent`` DL the latent width
+    (512 in Kimi-K3; smaller test presets use less), ``w_v_fp8`` w_v in fp8
+    e4m3 (else bf16)."""
+
+    splits: int
+    latent: int
+    w_v_fp8: bool = False
+
+
+@dataclass(frozen=True)
+class M1bGeometry:
+    """M1b in a rank's launch: ``heads`` = num_attention_heads / T heads of
+    ``value`` = v_head_dim rows, cut into tasks of ``block_dv`` rows of one
+    head (all S tokens; ``tokens_pad`` for tl.dot), ``block_k`` latent columns a step."""
+
+    heads: int
+    value: int
+    latent: int
+    splits: int
+    w_v_fp8: bool
+    tokens_pad: int
+    block_dv: int
+    block_k: int
+
+    @property
+    def blocks_per_head(self) -> int:
+        return self.value // self.block_dv
+
+    @property
+    def tasks(self) -> int:
+        return self.heads * self.blocks_per_head
+
+
+def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape) -> M1bGeometry:
+    return M1bGeometry(
+        heads=cfg.num_attention_heads // tp,
+        value=cfg.v_head_dim,
+        latent=shape.latent,
+        splits=shape.splits,
+        w_v_fp8=shape.w_v_fp8,
+        tokens_pad=max(DOT_MIN_TOKENS, next_pow2(tokens)),  # the w_v dot's M is the tokens
+        block_dv=min(BACK_BLOCK_DV, cfg.v_head_dim),
+        block_k=min(BACK_BLOCK_K, shape.latent),
+    )
 
 
 def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4) -> GemvTile:
@@ -96,7 +159,7 @@ def _dense(out_dim: int, in_dim: int, use_dot: bool) -> GemvTile:
     return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
 
 
-def stage_geometry(cfg: K3Config, tp: int, tokens: int) -> StageGeometry:
+def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = None) -> StageGeometry:
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"stage_geometry: tokens must be 1..{MAX_TOKENS}, got {tokens}")
     H, C, E, L = cfg.hidden_size, cfg.core_width, cfg.num_experts, cfg.routed_expert_hidden_size
@@ -119,6 +182,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int) -> StageGeometry:
         expert_down=_gemv(32, L, cfg.num_experts_per_token * I // tp, 16 * MXFP4_GROUP),
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
+        m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b),
     )
 
 
@@ -141,7 +205,11 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int) -> StageGeometry:
 # Table order (the dependency chain fixes the kinds' order; the freedom left is
 # used so weights stream while the exchanges settle):
 #
-#   OPROJ         all tiles first: no waits, 22 MB at T = 8 stream at once
+#   M1B           (option, MLA layers) first: the rank's core from M1c's split
+#                 outputs, a head's BLOCK_DV value rows a task, all tokens
+#   OPROJ         all tiles next: 22 MB at T = 8 stream at once; with M1B each
+#                 issues its weights, then waits for the whole core (CORE: it
+#                 reads every column of the rank's heads), otherwise no wait
 #   REDUCE1       AR1 per column tile: a tile reduces as soon as its o_proj
 #                 rows arrived from every rank, not after the whole o_proj
 #   SEAM          per token (needs all of H); cheap, on the critical path
@@ -186,6 +254,8 @@ MAX_WAITS = 2
 """Waits a task may carry: the int table has this many wait column pairs."""
 
 OPT_PREFETCH_FINAL = 1 << 0
+OPT_M1B = 1 << 1
+OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B
 
 
 class TaskKind(enum.IntEnum):
@@ -204,6 +274,8 @@ class TaskKind(enum.IntEnum):
     LATENT_NORM = 10
     FINAL = 11
     REDUCE3 = 12
+    M1B = 13
+    NOP = 14  # a timing variant's skipped task: its waits and its raise, no work (timing_variant)
 
 
 class Flag(enum.IntEnum):
@@ -220,6 +292,7 @@ class Flag(enum.IntEnum):
     AR2 = 8  # [token]         expert down partial rows arrived (peer)
     LATENT_READY = 9  # [1]    latent norm written
     AR3 = 10  # [reduce3 tile] final partial rows arrived        (peer)
+    CORE = 11  # [1, 0 without M1B] the rank's core columns written (M1B)
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
@@ -234,6 +307,9 @@ class MonoOptions:
     pull FINAL's weights into L2 right after the expert down-projections, so
     HBM streams them while the AR2 -> latent norm chain settles; FINAL then
     reads them from L2.
+    m1b (a build-key bit when set; its M1bShape is a build-key part, like
+    ctas_per_sm not in ``bits()``): an MLA layer's launch runs M1b first, so
+    o_proj starts from M1c's split outputs instead of a finished core.
     ctas_per_sm (launch only, not in ``bits()``): resident CTAs an SM is given.
     One program of the GEMV geometry keeps one tile step (8 KB) in flight and an
     SM wants about 32 KB, so more than one may pay; the benchmark decides. It
@@ -242,15 +318,18 @@ class MonoOptions:
 
     prefetch_final: bool = False
     ctas_per_sm: int = 1
+    m1b: M1bShape | None = None
 
     def bits(self) -> int:
-        return OPT_PREFETCH_FINAL if self.prefetch_final else 0
+        return (OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
 
     @classmethod
-    def from_bits(cls, bits: int, ctas_per_sm: int = 1) -> "MonoOptions":
-        if bits & ~OPT_PREFETCH_FINAL:
-            raise K3InputError(f"options: unknown option bits {bits & ~OPT_PREFETCH_FINAL:#x}")
-        return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm)
+    def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None) -> "MonoOptions":
+        if bits & ~OPT_ALL:
+            raise K3InputError(f"options: unknown option bits {bits & ~OPT_ALL:#x}")
+        if bool(bits & OPT_M1B) != (m1b is not None):
+            raise K3InputError(f"options: the m1b bit and the M1b shape go together, got bits {bits:#x} and {m1b}")
+        return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b)
 
 
 @dataclass(frozen=True)
@@ -513,6 +592,8 @@ def _rank_cols(table: TaskTable, task: Task, rank: int, full: int) -> slice:
 
 
 _WRITES = {
+    TaskKind.M1B: lambda tb, t, r: [Write("core", False, _all_rows(*t.span))],
+    TaskKind.NOP: lambda tb, t, r: [],
     TaskKind.OPROJ: lambda tb, t, r: [Write("ar1", True, (r, slice(None), slice(*t.span)))],
     TaskKind.REDUCE1: lambda tb, t, r: [Write("prefix", False, _all_rows(*t.span))],
     TaskKind.SEAM: lambda tb, t, r: [Write("x", False, (t.token,))],
@@ -585,6 +666,8 @@ class _Planner:
         self.down_tiles = tiles(cfg.routed_expert_hidden_size, geometry.expert_down.rows)
         self.final_tiles = tiles(H, geometry.final.rows)
         self.reduce3_tiles = tiles(H, self.reduce3_cols)
+        m1b = geometry.m1b  # M1B tiles: the rank's core columns, head-major (tile = head * blocks_per_head + block)
+        self.m1b_tiles = tiles(m1b.heads * m1b.value, m1b.block_dv) if m1b is not None else []
 
     # -- weight bytes --------------------------------------------------------------
     def _row_bytes(self, name: str) -> int:
@@ -611,10 +694,21 @@ class _Planner:
         self.specs.append(_TaskSpec(kind, tile, span, token, slot, tuple(streams), tuple(waits), tuple(raises)))
 
     # -- the kinds, in table order -------------------------------------------------
+    def m1b(self):
+        m1b = self.g.m1b
+        if m1b is None:
+            return
+        row_bytes = m1b.latent * (1 if m1b.w_v_fp8 else 2)
+        for tile, lo, hi in self.m1b_tiles:
+            self.add(TaskKind.M1B, tile=tile, span=(lo, hi), streams=(("w_v", (hi - lo) * row_bytes),),
+                     raises=[(Flag.CORE, 0)])
+
     def oproj(self):
+        # o_proj reads all of the rank's core columns: one wait on every M1B task
+        waits = [_WaitSpec(Flag.CORE, 0, len(self.m1b_tiles))] if self.m1b_tiles else []
         for tile, lo, hi in self.oproj_tiles:
             self.add(TaskKind.OPROJ, tile=tile, span=(lo, hi), streams=self._rows(["o_proj"], lo, hi),
-                     raises=[(Flag.AR1, lo // self.reduce1_cols)])
+                     waits=waits, raises=[(Flag.AR1, lo // self.reduce1_cols)])
 
     def reduce1(self):
         for tile, lo, hi in self.reduce1_tiles:
@@ -698,9 +792,9 @@ class _Planner:
                      waits=[_WaitSpec(Flag.AR3, tile, self.tp * producers)])
 
     def in_table_order(self) -> list[_TaskSpec]:
-        for step in (self.oproj, self.reduce1, self.seam, self.router, self.latent_down, self.shared_gate_up,
-                     self.route, self.expert_gate_up, self.expert_down, self.prefetch_final, self.latent_norm,
-                     self.final, self.reduce3):
+        for step in (self.m1b, self.oproj, self.reduce1, self.seam, self.router, self.latent_down,
+                     self.shared_gate_up, self.route, self.expert_gate_up, self.expert_down, self.prefetch_final,
+                     self.latent_norm, self.final, self.reduce3):
             step()
         return self.specs
 
@@ -718,6 +812,7 @@ class _Planner:
             Flag.AR2: per_token,
             Flag.LATENT_READY: 1,
             Flag.AR3: len(self.reduce3_tiles),
+            Flag.CORE: 1 if self.m1b_tiles else 0,
         }
         return tuple((flag, slots[flag]) for flag in Flag)
 
@@ -784,13 +879,26 @@ def _validate(cfg: K3Config, tp: int, tokens: int, sms: int, options) -> None:
         raise K3InputError(f"options: expected MonoOptions, got {type(options).__name__}")
     if not is_int(options.ctas_per_sm) or options.ctas_per_sm < 1:
         raise K3InputError(f"options.ctas_per_sm: expected a positive integer, got {options.ctas_per_sm!r}")
+    if options.m1b is not None:
+        _validate_m1b(cfg, options.m1b)
+
+
+def _validate_m1b(cfg: K3Config, m1b) -> None:
+    """M1b's widths are tl.arange / tl.dot extents: powers of two, at least 16."""
+    if not isinstance(m1b, M1bShape):
+        raise K3InputError(f"options.m1b: expected M1bShape, got {type(m1b).__name__}")
+    if not isinstance(m1b.splits, int) or isinstance(m1b.splits, bool) or m1b.splits < 1:
+        raise K3InputError(f"options.m1b.splits: expected a positive integer, got {m1b.splits!r}")
+    for name, width in (("options.m1b.latent", m1b.latent), ("v_head_dim", cfg.v_head_dim)):
+        if not isinstance(width, int) or width < DOT_MIN_TOKENS or width & (width - 1):
+            raise K3InputError(f"{name}: M1b expects a power of two >= {DOT_MIN_TOKENS}, got {width!r}")
 
 
 def plan(cfg: K3Config, tp: int, tokens: int, sms: int, options: MonoOptions | None = None) -> TaskTable:
     """The task table of one rank's mono launch (every rank runs the same one)."""
     options = MonoOptions() if options is None else options
     _validate(cfg, tp, tokens, sms, options)
-    geometry = stage_geometry(cfg, tp, tokens)
+    geometry = stage_geometry(cfg, tp, tokens, options.m1b)
     planner = _Planner(cfg, tp, tokens, geometry, options)
     tasks = _ticketed(planner.in_table_order())
     _check_invariant(tasks)
@@ -807,3 +915,42 @@ def plan(cfg: K3Config, tp: int, tokens: int, sms: int, options: MonoOptions | N
         ctas=cta_count(len(tasks), sms, options.ctas_per_sm),
         flag_slots=planner.flag_slots(),
     )
+
+
+VARIANTS = ("skip", "double")
+
+
+def timing_variant(table: TaskTable, how: str, kind: TaskKind) -> TaskTable:
+    """A table for timing only, to say what ``kind`` costs inside the launch.
+
+    ``skip``: every task of ``kind`` becomes a NOP that keeps its waits and its
+    raise (what it would write stays what the buffers held: run the plain
+    table on them first). ``double``: every task of ``kind`` runs twice, the
+    copy right after it raising nothing. The flags and their counts are the
+    plain table's in both, so a varied launch can share a plain launch's
+    buffers, flags and epochs; half the launch time of double minus skip is
+    the kind's cost in the launch."""
+    if how not in VARIANTS:
+        raise K3InputError(f"variant: expected one of {list(VARIANTS)}, got {how!r}")
+    kind = TaskKind(kind)
+    if kind == TaskKind.NOP or kind not in {t.kind for t in table.tasks}:
+        raise K3InputError(f"variant: the table has no {kind.name} tasks to {how}")
+    varied, ticket_of = [], {}
+    for task in table.tasks:
+        ticket_of[task.ticket] = len(varied)
+        if task.kind != kind:
+            varied.append(task)
+        elif how == "skip":
+            varied.append(replace(task, kind=TaskKind.NOP, streams=()))
+        else:
+            varied += [task, replace(task, raises=())]
+    sources = {}  # remapped once per shared sources tuple
+
+    def remap(wait: Wait) -> Wait:
+        if id(wait.sources) not in sources:
+            sources[id(wait.sources)] = tuple(ticket_of[s] for s in wait.sources)
+        return replace(wait, sources=sources[id(wait.sources)])
+
+    tasks = tuple(replace(t, ticket=i, waits=tuple(remap(w) for w in t.waits)) for i, t in enumerate(varied))
+    _check_invariant(tasks)
+    return replace(table, tasks=tasks, ctas=cta_count(len(tasks), table.sms, table.options.ctas_per_sm))

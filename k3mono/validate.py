@@ -23,15 +23,16 @@ def _shape(t) -> str:
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def check_layer_inputs(cfg: K3Config, layer: int, core, prefix, blocks) -> int:
-    """Raise a K3InputError on any wrong shape, dtype or count; return S."""
+def check_layer_inputs(cfg: K3Config, layer: int, core, prefix, blocks, *, core_dtype=torch.bfloat16) -> int:
+    """Raise a K3InputError on any wrong shape, dtype or count; return S. ``core_dtype``:
+    float64 only for the oracle's exact core (reference.layer.layer_post)."""
     cfg.validate_layer(layer)
     C, H = cfg.core_width, cfg.hidden_size
     if not isinstance(core, torch.Tensor) or core.dim() != 2 or core.shape[1] != C:
         raise K3InputError(f"core: expected shape [S, {C}], got {_shape(core)}")
     tokens = core.shape[0]
     check_tokens(tokens)
-    expect_tensor("core", core, (tokens, C), torch.bfloat16)
+    expect_tensor("core", core, (tokens, C), core_dtype)
     expect_tensor("prefix", prefix, (tokens, H), torch.bfloat16)
     if not isinstance(blocks, torch.Tensor) or blocks.dim() != 3 or blocks.shape[0] != tokens or blocks.shape[2] != H:
         raise K3InputError(f"blocks: expected shape [{tokens}, nb_max, {H}], got {_shape(blocks)}")

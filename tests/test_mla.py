@@ -310,3 +310,19 @@ def test_bench_calls_compute_what_mla_decode_computes():
     want = mla_decode(inputs.q, inputs.kv, inputs.qsl, inputs.seq_lens, inputs.pages, inputs.indptr, inputs.scale,
                       inputs.w_v, inputs.gate, kv_scale=inputs.kv_scale, splits=4)
     assert torch.equal(core.view(torch.int16), want.view(torch.int16))
+
+
+def test_bench_m1b_runners_run_rank_0_with_m1b_folded_in():
+    """What bench --mla replays: rank 0's loopback launch with M1b first, on inputs
+    m1b_inputs made; here run once under the interpreter."""
+    from k3mono.bench_mla import m1b_runners
+    from k3mono.config import preset
+    from k3mono.synthetic import random_shard
+
+    cfg = preset("tiny")
+    (runner,) = m1b_runners(cfg, 2, 1, [random_shard(cfg, 2, seed=0, device="cpu")], layer=13)
+    assert runner.compiled.table.tasks[0].kind.name == "M1B"
+    runner.poison()
+    runner.launch(0)
+    runner.check_health()
+    assert torch.isfinite(runner.result(0).moe_out.float()).all()

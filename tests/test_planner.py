@@ -22,9 +22,12 @@ from k3mono.planner import (
     PEER_FLAGS,
     TABLE_COLUMNS,
     Flag,
+    M1bShape,
     MonoOptions,
+    Raise,
     TaskKind,
     plan,
+    tiles,
 )
 
 SMS = (132, 256, 1, 7, 100)  # H200, MI355X, and odd counts
@@ -35,6 +38,9 @@ CONFIGS = (
     + [("small", 8, s) for s in TOKENS]
 )
 SIM_CASES = [(name, tp, s, sms) for name, tp, s in CONFIGS for sms in SMS]
+M1B_CONFIGS = [("kimi-k3", 8, 4), ("kimi-k3", 1, 16), ("tiny", 2, 3), ("tiny", 1, 1)]
+TABLES = [(*c, False) for c in CONFIGS] + [(*c, True) for c in M1B_CONFIGS]
+"""(preset, T, S, m1b): every config plain, a few as MLA layers whose launch runs M1b."""
 
 KIND_ORDER = [
     TaskKind.OPROJ,
@@ -52,9 +58,15 @@ KIND_ORDER = [
 ]
 
 
+def m1b_shape(name: str, tp: int) -> M1bShape:
+    """Kimi-K3's latent with fp8 w_v at TP8, bf16 otherwise; a small latent for the test presets."""
+    return M1bShape(splits=4, latent=512 if name == "kimi-k3" else 32, w_v_fp8=tp == 8)
+
+
 @lru_cache(maxsize=None)
-def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False):
-    return plan(preset(name), tp, tokens, sms, MonoOptions(prefetch_final=prefetch_final))
+def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False, m1b: bool = False):
+    shape = m1b_shape(name, tp) if m1b else None
+    return plan(preset(name), tp, tokens, sms, MonoOptions(prefetch_final=prefetch_final, m1b=shape))
 
 
 def raisers_of(table) -> dict:
@@ -69,10 +81,10 @@ def raisers_of(table) -> dict:
 # -- order and flags ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, prefetch):
-    table = table_for(name, tp, tokens, prefetch_final=prefetch)
+def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, m1b, prefetch):
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, m1b=m1b)
     raisers = raisers_of(table)
     for task in table.tasks:
         assert len(task.waits) <= MAX_WAITS and len(task.raises) <= 1
@@ -83,9 +95,9 @@ def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, pre
     assert [t.ticket for t in table.tasks] == list(range(len(table.tasks)))
 
 
-@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
-def test_every_flag_is_raised_exactly_its_count_and_every_raise_is_awaited(name, tp, tokens):
-    table = table_for(name, tp, tokens)
+@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
+def test_every_flag_is_raised_exactly_its_count_and_every_raise_is_awaited(name, tp, tokens, m1b):
+    table = table_for(name, tp, tokens, m1b=m1b)
     raisers = raisers_of(table)
     counts = {}
     for task in table.tasks:
@@ -98,9 +110,9 @@ def test_every_flag_is_raised_exactly_its_count_and_every_raise_is_awaited(name,
         assert needed == {per_launch}, f"{flag.name}[{index}]: raised {per_launch} times a launch, awaited {needed}"
 
 
-@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
-def test_flag_words_are_distinct_and_in_range(name, tp, tokens):
-    table = table_for(name, tp, tokens)
+@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
+def test_flag_words_are_distinct_and_in_range(name, tp, tokens, m1b):
+    table = table_for(name, tp, tokens, m1b=m1b)
     words = {}
     for flag, slots in table.flag_slots:
         for index in range(slots):
@@ -126,6 +138,41 @@ def test_kinds_come_in_the_documented_order(prefetch):
     assert first[TaskKind.ROUTER] == seam_end + 1
 
 
+@pytest.mark.parametrize("name,tp,tokens", M1B_CONFIGS)
+def test_m1b_tasks_come_first_and_every_oproj_waits_for_the_whole_core(name, tp, tokens):
+    cfg, shape = preset(name), m1b_shape(name, tp)
+    table = table_for(name, tp, tokens, m1b=True)
+    assert [group.kind for group in table.groups()] == [TaskKind.M1B] + KIND_ORDER
+    m1b = table.groups()[0].tasks
+    heads, g = cfg.num_attention_heads // tp, table.geometry.m1b
+    assert (g.heads, g.value, g.latent, g.splits) == (heads, cfg.v_head_dim, shape.latent, shape.splits)
+    # one task a head and BLOCK_DV rows of it, covering the rank's core columns in order
+    assert [t.span for t in m1b] == [(lo, hi) for _, lo, hi in tiles(heads * cfg.v_head_dim, g.block_dv)]
+    assert len(m1b) == heads * (cfg.v_head_dim // g.block_dv) == g.tasks
+    assert all(not t.waits and t.raises == (Raise(Flag.CORE, 0),) for t in m1b)
+    assert not Raise(Flag.CORE, 0).every_rank, "CORE is the own rank's flag"
+    sources = tuple(t.ticket for t in m1b)
+    for task in table.tasks:
+        if task.kind == TaskKind.OPROJ:
+            assert [(w.flag, w.index, w.count, w.sources) for w in task.waits] == [(Flag.CORE, 0, len(m1b), sources)]
+        else:
+            assert all(w.flag != Flag.CORE for w in task.waits)
+    w_v_bytes = heads * cfg.v_head_dim * shape.latent * (1 if shape.w_v_fp8 else 2)
+    assert table.summary().weights_by_tensor["w_v"] == w_v_bytes
+    assert table.summary().weight_bytes == table_for(name, tp, tokens).summary().weight_bytes + w_v_bytes
+    assert dict(table.flag_slots)[Flag.CORE] == 1 and dict(table_for(name, tp, tokens).flag_slots)[Flag.CORE] == 0
+    assert MonoOptions.from_bits(table.options.bits(), m1b=shape) == table.options
+    with pytest.raises(K3InputError, match="m1b"):
+        MonoOptions.from_bits(table.options.bits())
+    assert LaunchSim(table, ranks=tp, ctas=table.ctas, launches=2).run().premature == []
+
+
+def test_m1b_rejects_widths_the_kernel_cannot_tile():
+    for shape in (M1bShape(splits=0, latent=32), M1bShape(splits=2, latent=48), M1bShape(splits=2, latent=8)):
+        with pytest.raises(K3InputError, match="m1b"):
+            plan(preset("tiny"), 1, 1, 132, MonoOptions(m1b=shape))
+
+
 def test_expert_tasks_load_after_the_routes_and_wait_for_data_after_loading():
     table = table_for("kimi-k3", 8, 4)
     for task in table.tasks:
@@ -145,15 +192,17 @@ def coverage_arrays(table):
     shapes = {name: shape for name, (_, shape, _) in {**peer_layout(cfg, tp, S), **scratch_layout(cfg, tp, S)}.items()}
     shapes.pop("__end__")
     shapes["prefix"] = shapes["out"] = (S, cfg.hidden_size)
+    if table.options.m1b is not None:
+        shapes["core"] = (S, cfg.core_width // tp)  # M1B writes the rank's core
     return {name: np.zeros(shape, dtype=np.int32) for name, shape in shapes.items()}
 
 
-@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, prefetch):
+def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, m1b, prefetch):
     """On each rank: its own writes to local regions, and every rank's pushes
     into its peer regions (the same for every receiving rank)."""
-    table = table_for(name, tp, tokens, prefetch_final=prefetch)
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, m1b=m1b)
     local = coverage_arrays(table)  # any one rank: the table is the same on all
     peer = coverage_arrays(table)  # what lands in a rank's peer regions, from all ranks
     for rank in range(tp):
@@ -175,12 +224,12 @@ def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, p
 # -- bytes -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
+@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_streamed_weight_bytes_equal_the_floor(name, tp, tokens, prefetch):
-    table = table_for(name, tp, tokens, prefetch_final=prefetch)
+def test_streamed_weight_bytes_equal_the_floor(name, tp, tokens, m1b, prefetch):
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, m1b=m1b)
     cfg = preset(name)
-    floor = floor_bytes(cfg, tp, tokens, unique_experts=tokens * cfg.num_experts_per_token)
+    floor = floor_bytes(cfg, tp, tokens, unique_experts=tokens * cfg.num_experts_per_token, m1b=table.options.m1b)
     summary = table.summary()
     assert summary.weights_by_tensor == floor["weights"]
     assert summary.weight_bytes == floor["weight_bytes"]
@@ -226,9 +275,9 @@ def test_floor_counts_distinct_experts_and_validates():
 # -- encoding and CTA count ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
-def test_int_tensor_round_trips(name, tp, tokens):
-    table = table_for(name, tp, tokens, prefetch_final=tokens == 4)
+@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
+def test_int_tensor_round_trips(name, tp, tokens, m1b):
+    table = table_for(name, tp, tokens, prefetch_final=tokens == 4, m1b=m1b)
     encoded = table.as_int_tensor()
     assert encoded.dtype.is_floating_point is False and encoded.element_size() == 4
     assert tuple(encoded.shape) == (len(table.tasks), len(TABLE_COLUMNS))
@@ -434,11 +483,11 @@ def test_back_to_back_launches_never_see_a_later_epochs_raises(name, tp, tokens,
     assert all(len(f) == 3 for f in sim.finished_at)
 
 
-@pytest.mark.parametrize("name,tp,tokens", CONFIGS)
-def test_one_program_walks_the_table_in_order_with_loopback_peers(name, tp, tokens):
+@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
+def test_one_program_walks_the_table_in_order_with_loopback_peers(name, tp, tokens, m1b):
     """The interpreter: rank 0 alone, one program, every other rank's pushes
     written beforehand. No wait may find its flag short."""
-    table = table_for(name, tp, tokens, 1)
+    table = table_for(name, tp, tokens, 1, m1b=m1b)
     count = Counter()
     for task in table.tasks:
         for r in task.raises:

@@ -2,10 +2,12 @@
 
 Shapes: S tokens (SP: padded to a power of two, at least 16 for tl.dot),
 HEADS this rank's heads, SPLITS (SPLITS_P padded) context splits of M1c,
-D_LATENT the latent width (BLOCK_K a step), D_V = 128 the head's value width
-(BLOCK_DV a program).
+D_LATENT the latent width (BLOCK_K a step), D_V the head's value width
+(v_head_dim: 128 in Kimi-K3; BLOCK_DV a program).
 
-Program (h, block of BLOCK_DV value rows d), for every token s at once:
+Program, or mono task (``mla_back_task``: kernels/mono.py runs it as the M1B
+tasks of an MLA layer's launch): (h, block of BLOCK_DV value rows d), for
+every token s at once:
 
     lse_all[s] = log(sum_k exp(lse[k, s, h]))                fp32; empty splits (-inf) add 0
     o_c[s]     = bf16(sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :])   [D_LATENT]
@@ -93,7 +95,9 @@ def _combined_cols(
 
 
 @triton.jit
-def _mla_back_kernel(
+def mla_back_task(
+    h,  # this rank's head
+    dv_block,  # which BLOCK_DV value rows of the head
     o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
     stride_ok,
     stride_os,
@@ -120,8 +124,8 @@ def _mla_back_kernel(
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    h = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    """core[:, h*D_V + dv_block*BLOCK_DV ...] for all S tokens (the module docstring's program)."""
+    rows = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
     tok = tl.arange(0, SP)
     live = tok < S
 
@@ -137,6 +141,39 @@ def _mla_back_kernel(
     cols = h * D_V + rows
     gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
     tl.store(core_ptr + tok[:, None] * stride_cs + cols[None, :], to_bf16(y * sigmoid(gate)), mask=live[:, None])
+
+
+@triton.jit
+def _mla_back_kernel(
+    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32
+    stride_ok,
+    stride_os,
+    stride_oh,
+    lse_ptr,  # [SPLITS, S, HEADS] fp32
+    stride_lk,
+    stride_ls,
+    w_v_ptr,  # [HEADS, D_V, D_LATENT] bf16 or fp8 e4m3
+    stride_wh,
+    stride_wd,
+    w_v_scale,  # fp32
+    gate_ptr,  # [S, HEADS * D_V] bf16
+    stride_gs,
+    core_ptr,  # [S, HEADS * D_V] bf16 out
+    stride_cs,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    W_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    mla_back_task(tl.program_id(0), tl.program_id(1), o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk,
+                  stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs,
+                  S, SP, SPLITS, SPLITS_P, D_LATENT, D_V, BLOCK_K, BLOCK_DV, W_FP8, UPCAST)
 
 
 def check_w_v(w_v) -> tuple[int, int, int]:

@@ -16,17 +16,21 @@ Per task:
    the task's weight tile once (ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the
    chosen experts' rows for EXPERT_GU / EXPERT_DOWN), pulling it into L2
    while the awaited flag settles; the stage function then reads it from L2.
-   OPROJ has no wait (its weights stream at once); REDUCE*, SEAM, ROUTE and
-   LATENT_NORM read activations only (their small norm vectors are not
-   prefetched). The stage task functions load x and w in one loop, so what is
-   prefetched is an L2 warm-up, not registers kept across the wait;
+   OPROJ waits only where M1B runs first (then its w_o tile is read while the
+   core settles; otherwise its weights stream at once); M1B has no wait;
+   REDUCE*, SEAM, ROUTE and LATENT_NORM read activations only (their small
+   norm vectors are not prefetched). The stage task functions load x and w
+   in one loop, so what is prefetched is an L2 warm-up, not registers kept
+   across the wait;
 3. poll the other waits, in table order;
 4. run the stage task function unchanged, store what it returns: into each of
    the NP peer buffers for tiles every rank needs (o_proj / final partials to
    ar slot ``rank``, router logits and z into the rank's columns), then raise
    the task's flag on each peer (barrier + one release atomic).
    expert_down_task stores its tile itself: into the own ar2 slot, then (NP > 1)
-   the CTA copies the rows to every peer before raising.
+   the CTA copies the rows to every peer before raising. mla_back_task (M1B,
+   an MLA layer's first tasks) stores its columns of the rank's core itself;
+   the own CORE flag then counts them for OPROJ.
 
 A failed (timed out) wait records itself in the health buffer (sync.py) and
 stops the CTA. On exit every CTA bumps ``ctl[1]``; the last one resets both
@@ -55,6 +59,7 @@ from .final import final_task
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
 from .gemv import store_rows
+from .mla_back import mla_back_task
 from .oproj import oproj_task
 from .reduce import final_reduce_chunk, reduce_prefix_chunk
 from .route import route_task
@@ -76,6 +81,8 @@ K_PREFETCH_FINAL = tl.constexpr(9)
 K_LATENT_NORM = tl.constexpr(10)
 K_FINAL = tl.constexpr(11)
 K_REDUCE3 = tl.constexpr(12)
+K_M1B = tl.constexpr(13)
+K_NOP = tl.constexpr(14)
 
 # int table columns (planner.TABLE_COLUMNS)
 C_KIND = tl.constexpr(0)
@@ -88,6 +95,7 @@ C_NWAITS = tl.constexpr(6)
 C_NADDR = tl.constexpr(7)
 C_WAIT0 = tl.constexpr(8)  # word, count pairs from here
 C_RAISE = tl.constexpr(12)
+C_RAISE_PEER = tl.constexpr(13)
 MAX_WAITS = tl.constexpr(2)
 
 
@@ -131,8 +139,22 @@ def _would_block(i: tl.constexpr, row_ptr, flags_ptr, epoch, SCOPE: tl.constexpr
 @triton.jit(do_not_specialize=["nb", "rank", "layer", "spin_limit", "eps", "scaling"])
 def _mono_kernel(
     table_ptr,  # int32 [NUM_TASKS, NCOL]
-    core_ptr,  # bf16 [S, C/T], row stride stride_cs
+    core_ptr,  # bf16 [S, C/T], row stride stride_cs (M1B: written by the launch, unit column stride)
     stride_cs,
+    # M1b's inputs (M1B; otherwise placeholders, never read); heads_r = C / (T * D_V)
+    o_ptr,  # fp32 [SPLITS, S, heads_r, D_LATENT], unit stride along D_LATENT: M1c's split outputs
+    stride_ok,
+    stride_ot,  # per token (stride_os is out's)
+    stride_oh,
+    lse_ptr,  # fp32 [SPLITS, S, heads_r], unit stride along heads_r
+    stride_lk,
+    stride_ls,
+    w_v_ptr,  # bf16 or fp8 e4m3 (W_V_FP8) [heads_r, D_V, D_LATENT], unit stride along D_LATENT
+    stride_wh,
+    stride_wd,
+    w_v_scale,  # fp32: w_v's fp8 dequantisation scale (1.0 for bf16)
+    gate_ptr,  # bf16 [S, C/T] output-gate logits, unit column stride
+    stride_gs,
     w_o_ptr,  # bf16 [H, C/T]
     prefix_ptr,  # bf16 [S, H], updated in place
     stride_ps,
@@ -239,6 +261,15 @@ def _mono_kernel(
     CTL_I: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
     SCOPE: tl.constexpr,
+    M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
+    M1B_SP: tl.constexpr,  # S padded for M1b's tl.dot (at least 16)
+    SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_V: tl.constexpr,
+    M1B_BK: tl.constexpr,
+    M1B_DV: tl.constexpr,
+    W_V_FP8: tl.constexpr,
 ):
     epoch = tl.load(epoch_ptr)
     parity = epoch & 1
@@ -285,7 +316,9 @@ def _mono_kernel(
                     if (i >= naddr) & (i < nwaits):
                         blocked = blocked | _would_block(i, row, flags, epoch, SCOPE)
             if (blocked != 0) & (ok != 0):
-                if kind == K_ROUTER:
+                if kind == K_OPROJ:
+                    sink += _touch_rows(w_o_ptr, start, stop, H, C_R, O_ROWS, O_BK)
+                elif kind == K_ROUTER:
                     sink += _touch_rows(w_gate_ptr, start, stop, E_R, H, R_ROWS, R_BK)
                 elif kind == K_LATENT_DOWN:
                     sink += _touch_rows(w_ld_ptr, start, stop, L_R, H, LD_ROWS, LD_BK)
@@ -311,7 +344,15 @@ def _mono_kernel(
 
         # (4) the task
         if ok != 0:
-            if kind == K_OPROJ:
+            if kind == K_M1B:
+                if M1B:
+                    # tile = head * (D_V / M1B_DV) + value-row block (planner._m1b_tiles)
+                    mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), o_ptr, stride_ok, stride_ot,
+                                  stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale,
+                                  gate_ptr, stride_gs, core_ptr, stride_cs, S, M1B_SP, SPLITS, SPLITS_P, D_LATENT,
+                                  D_V, M1B_BK, M1B_DV, W_V_FP8, UPCAST)
+                    raise_counter(flags + rword, SCOPE)
+            elif kind == K_OPROJ:
                 acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST)
                 for p in tl.static_range(NP):
                     store_rows(peers_f32[p] + pf + AR1_F + rank * (S * H), H, acc, tile * O_ROWS, S, H, SP, O_ROWS)
@@ -381,6 +422,14 @@ def _mono_kernel(
                 cols = start + tl.arange(0, RC3)
                 for s in range(S):
                     final_reduce_chunk(own_f32 + pf + AR3_F, S * H, H, out_ptr, stride_os, s, cols, cols < stop, T)
+            elif kind == K_NOP:
+                # a timing variant's skipped task (planner.timing_variant): only its raise
+                if rword >= 0:
+                    if tl.load(row + C_RAISE_PEER) != 0:
+                        for p in tl.static_range(NP):
+                            raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+                    else:
+                        raise_counter(flags + rword, SCOPE)
         # a failed wait stops the CTA (the alarm is up: the launch is lost)
         ticket = tl.where(ok != 0, nxt, NUM_TASKS)
 

@@ -58,8 +58,11 @@ def finish(num, prefix, moe_out, ids, route_weights, trace) -> LayerResult:
 
 
 def layer_post(core, prefix, blocks, layer, weights, cfg, *, mode="bf16", forced_routes=None) -> LayerResult:
-    """The whole layer (``weights.tp == 1``) in ``mode`` 'bf16' (released) or 'oracle' (float64)."""
-    check_layer_inputs(cfg, layer, core, prefix, blocks)
+    """The whole layer (``weights.tp == 1``) in ``mode`` 'bf16' (released) or 'oracle' (float64).
+    The oracle also takes a float64 core: an MLA layer's exact M1b output
+    (reference.mla.mla_back in the oracle), so the chain M1b -> layer_post has one."""
+    exact_core = mode == "oracle" and isinstance(core, torch.Tensor) and core.dtype == torch.float64
+    check_layer_inputs(cfg, layer, core, prefix, blocks, core_dtype=torch.float64 if exact_core else torch.bfloat16)
     if weights.tp != 1:
         raise ValueError("layer_post: expected the whole layer's weights (tp = 1); use layer_post_tp for shards")
     num = st.MODES[mode]

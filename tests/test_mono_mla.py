@@ -1,0 +1,186 @@
+"""An MLA layer's mono launch: M1b (combine splits, w_v, gate) runs first in the
+same launch, then o_proj reads the core it wrote. Under the interpreter.
+
+Shapes: S tokens, T ranks, heads = num_attention_heads / T of the tiny preset's
+v_head_dim value rows, splits, DL the latent width (LATENT: tiny-sized).
+
+The launch is judged as the chain it replaces: the reference M1b (bf16 mode)
+then the reference layer_post (the TP form for T > 1) against the float64
+oracle of the same chain (the exact M1b core into the oracle layer_post, on
+the launch's routes), within BUDGET_FACTOR of the bf16 chain's own error;
+routes must equal the bf16 chain's. The core the launch wrote must be the
+staged M1b's bit for bit (the same task function on the same data in the
+same order). Outputs and core start poisoned (NaN), so an element left
+unwritten fails.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from k3mono import mla
+from k3mono.config import preset
+from k3mono.errors import K3InputError
+from k3mono.mono import MonoRunner
+from k3mono.planner import M1bShape, MonoOptions
+from k3mono.reference import layer_post, layer_post_tp
+from k3mono.reference import mla as ref_mla
+from k3mono.runner import BUDGET_FACTOR, rel_err
+from k3mono.staged import StagedLayer
+from k3mono.synthetic import random_inputs, random_layer
+from k3mono.weights import shard_all
+
+FP8 = torch.float8_e4m3fn
+LAYER = 13
+LATENT = 32  # DL: tl.dot's smallest widths are 16, Kimi-K3's 512 would only slow the interpreter
+SPLITS = 3
+NAMES = ("moe_out", "prefix", "route_ids", "route_weights")
+
+
+@functools.lru_cache(maxsize=None)
+def layer_weights():
+    return random_layer(preset("tiny"), 0)
+
+
+def m1b_inputs(cfg, tp: int, tokens: int, w_v_dtype, seed: int) -> list[dict]:
+    """One rank's heads' M1b inputs a rank; token 0's last split is empty (lse -inf, o 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, value = cfg.num_attention_heads // tp, cfg.v_head_dim
+    w_v_scale = 0.0029 if w_v_dtype == FP8 else 1.0
+    out = []
+    for _ in range(tp):
+        o = torch.randn(SPLITS, tokens, heads, LATENT, generator=gen)
+        lse = 3 * torch.randn(SPLITS, tokens, heads, generator=gen)
+        o[-1, 0], lse[-1, 0] = 0.0, float("-inf")
+        w_v = torch.randn(heads, value, LATENT, generator=gen) * LATENT**-0.5
+        out.append(dict(o=o, lse=lse, w_v=(w_v / w_v_scale).to(w_v_dtype), w_v_scale=w_v_scale,
+                        gate=torch.randn(tokens, heads * value, generator=gen).to(torch.bfloat16)))
+    return out
+
+
+def reference_core(m1b_in: list[dict], mode: str) -> torch.Tensor:
+    """The reference M1b of every rank's heads, side by side: core [S, C]."""
+    return torch.cat([ref_mla.mla_back(m["o"], m["lse"], m["w_v"], m["gate"], w_v_scale=m["w_v_scale"], mode=mode)
+                      for m in m1b_in], dim=1)
+
+
+def mla_runner(cfg, shards, tokens: int, w_v_dtype) -> MonoRunner:
+    shape = M1bShape(splits=SPLITS, latent=LATENT, w_v_fp8=w_v_dtype == FP8)
+    return MonoRunner(cfg, shards, tokens, LAYER, options=MonoOptions(m1b=shape))
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.is_floating_point() else t
+
+
+CASES = [(1, 1, torch.bfloat16), (1, 3, FP8), (2, 1, FP8), (2, 3, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("tp,tokens,w_v_dtype", CASES, ids=[f"T{t}-S{s}-{str(d)[6:]}" for t, s, d in CASES])
+def test_mono_with_m1b_matches_the_reference_chain_and_the_staged_m1b(tp, tokens, w_v_dtype):
+    cfg, weights = preset("tiny"), layer_weights()
+    shards = shard_all(weights, cfg, tp)
+    act = random_inputs(cfg, tokens, LAYER, seed=40 + 7 * tp + tokens)
+    m1b_in = m1b_inputs(cfg, tp, tokens, w_v_dtype, seed=tp * 10 + tokens)
+    runner = mla_runner(cfg, shards, tokens, w_v_dtype)
+    assert runner.compiled.table.tasks[0].kind.name == "M1B"
+    got = runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
+
+    # (b) each rank's launch wrote its own core: the staged M1b's bits
+    staged_core = mla.rank_cores(m1b_in)
+    width = cfg.core_width // tp
+    for r in range(tp):
+        assert torch.equal(bits(runner.rank_states[r].core), bits(staged_core[:, r * width : (r + 1) * width])), r
+
+    # (a) the chain: reference M1b (bf16) -> reference layer_post, judged against the oracle chain
+    args = dict(prefix=act["prefix"], blocks=act["blocks"], layer=LAYER, cfg=cfg)
+    core = reference_core(m1b_in, "bf16")
+    want = layer_post(core, **args, weights=weights) if tp == 1 else layer_post_tp(core, **args, shards=shards)
+    assert torch.equal(got.route_ids, want.route_ids), "routes differ from the bf16 reference chain"
+    exact_core = reference_core(m1b_in, "oracle")
+    exact = layer_post(exact_core, **args, weights=weights, mode="oracle", forced_routes=got.route_ids)
+    for name in ("moe_out", "prefix", "route_weights"):
+        out = getattr(got, name)
+        assert torch.isfinite(out.float()).all(), name
+        budget = BUDGET_FACTOR * rel_err(getattr(want, name), getattr(exact, name))
+        err = rel_err(out, getattr(exact, name))
+        assert err <= budget, f"{name}: error {err:.3g} against the oracle chain, budget {budget:.3g}"
+
+    # every rank holds the same bits, and they are the staged chain's (staged M1b, then the staged layer)
+    staged = mla.staged_mla_layer_post(StagedLayer(cfg, shards, tokens, LAYER), m1b_in, act["prefix"], act["blocks"])
+    for r, other in enumerate(runner.rank_results()):
+        assert all(torch.equal(bits(getattr(staged, n)), bits(getattr(other, n))) for n in NAMES), r
+
+
+BAD = {
+    "missing": (lambda m: None, r"^m1b_in: expected a dict"),
+    "no-gate": (lambda m: {k: v for k, v in m.items() if k != "gate"}, r"^m1b_in: expected a dict"),
+    "o-splits": (lambda m: {**m, "o": m["o"][:-1]}, r"^o: expected shape \[3, 1, 4, 32\], got \[2, 1, 4, 32\]"),
+    "lse-fp64": (lambda m: {**m, "lse": m["lse"].double()}, r"^lse: expected dtype torch.float32, got torch.float64"),
+    "w_v-fp8": (lambda m: {**m, "w_v": m["w_v"].to(FP8)}, r"^w_v: expected dtype torch.bfloat16, got .*float8"),
+    "gate-width": (lambda m: {**m, "gate": m["gate"][:, :-1]}, r"^gate: expected shape \[1, 128\], got \[1, 127\]"),
+    "w_v-scale": (lambda m: {**m, "w_v_scale": 0.5}, r"^w_v_scale: "),
+}
+
+
+class LaunchRecorder:
+    """Stands in for the kernel: records each launch's grid, runs nothing."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_m1b_input_is_named_before_any_launch(case, monkeypatch):
+    cfg = preset("tiny")
+    corrupt, message = BAD[case]
+    launches = []
+    monkeypatch.setattr("k3mono.kernels.mono._mono_kernel", LaunchRecorder(launches))
+    runner = mla_runner(cfg, shard_all(layer_weights(), cfg, 1), 1, torch.bfloat16)
+    act = random_inputs(cfg, 1, LAYER, seed=3)
+    m1b_in = m1b_inputs(cfg, 1, 1, torch.bfloat16, seed=3)
+    with pytest.raises(K3InputError, match=message):
+        runner.layer_post_mla([corrupt(m1b_in[0])], act["prefix"], act["blocks"])
+    assert launches == []
+    with pytest.raises(K3InputError, match=r"^m1b_in: "):  # the runner launches with what it loaded
+        runner.rank_states[0].m1b_in = None
+        runner.run()
+    assert launches == []
+
+
+def test_m1b_and_plain_runners_refuse_each_others_inputs():
+    cfg = preset("tiny")
+    shards = shard_all(layer_weights(), cfg, 2)
+    act = random_inputs(cfg, 1, LAYER, seed=4)
+    with pytest.raises(K3InputError, match="layer_post_mla"):
+        mla_runner(cfg, shards, 1, torch.bfloat16)(**act)
+    with pytest.raises(K3InputError, match="no M1b"):
+        MonoRunner(cfg, shards, 1, LAYER).layer_post_mla(m1b_inputs(cfg, 2, 1, torch.bfloat16, 4), act["prefix"],
+                                                         act["blocks"])
+    with pytest.raises(K3InputError, match=r"one dict of M1b inputs a rank \(2\), got 1"):
+        mla_runner(cfg, shards, 1, torch.bfloat16).layer_post_mla(m1b_inputs(cfg, 1, 1, torch.bfloat16, 4),
+                                                                  act["prefix"], act["blocks"])
+    staged = StagedLayer(cfg, shards, 1, LAYER)
+    with pytest.raises(K3InputError, match=r"^m1b_in\[1\]: expected a dict"):
+        mla.staged_mla_layer_post(staged, [m1b_inputs(cfg, 2, 1, torch.bfloat16, 4)[0], {}], act["prefix"],
+                                  act["blocks"])
+
+
+def test_o_proj_weights_read_before_the_core_wait_change_no_bits():
+    """PREFETCH = 2: every OPROJ reads its w_o tile before it polls CORE."""
+    cfg = preset("tiny")
+    shards = shard_all(layer_weights(), cfg, 1)
+    act = random_inputs(cfg, 1, LAYER, seed=5)
+    m1b_in = m1b_inputs(cfg, 1, 1, torch.bfloat16, seed=5)
+    shape = M1bShape(splits=SPLITS, latent=LATENT)
+    plain = MonoRunner(cfg, shards, 1, LAYER, options=MonoOptions(m1b=shape), prefetch=0)
+    eager = MonoRunner(cfg, shards, 1, LAYER, options=MonoOptions(m1b=shape), prefetch=2)
+    a = plain.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
+    b = eager.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
+    assert all(torch.equal(bits(getattr(a, n)), bits(getattr(b, n))) for n in NAMES)
