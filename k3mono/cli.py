@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nblocks", type=int, default=None, help="AttnRes blocks for the floor (default: the deepest layer's)")
     plan.add_argument("--prefetch-final", action="store_true", help="L2-prefetch FINAL's weights after the experts")
     plan.add_argument("--ctas-per-sm", type=int, default=1, help="resident CTAs an SM is given (default 1)")
+    plan.add_argument("--m1b-splits", type=int, default=None,
+                      help="an MLA layer's table: M1b (combining this many M1c splits) runs first in the launch")
     ranks = sub.add_parser("ranks", help="T ranks of the mono launch exchanging for real, checked and timed")
     ranks.add_argument("--tp", type=int, required=True, help="T, ranks (processes, or green contexts)")
     ranks.add_argument("--tokens", type=int, default=1, help="S, tokens of the launch")
@@ -202,12 +204,15 @@ def cmd_bench(args) -> int:
 def cmd_plan(args) -> int:
     from .config import preset
     from .floor import floor_bytes
-    from .planner import MonoOptions, plan
+    from .planner import M1bShape, MonoOptions, plan
+    from .reference.mla import LATENT_DIM
 
     cfg = preset(args.preset)
-    options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm)
+    m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
+    options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b)
     table = plan(cfg, args.tp, args.tokens, args.sms, options)
-    floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks)
+    floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks,
+                        m1b=m1b)
     print(
         f"plan: preset {args.preset}, T={args.tp}, S={args.tokens}, {args.sms} SMs, "
         f"options {table.options} (bits {table.options.bits():#x}); one rank's table, the same on every rank"
