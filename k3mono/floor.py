@@ -9,7 +9,11 @@ launch reads all of each, its own slot included). Writes and the scratch
 round trips (x, activations, latent) are not counted: they stay in L2.
 On an MLA layer whose launch runs M1b (``m1b``, a planner.M1bShape) the rank's
 w_v is a weight, M1c's split outputs o and lse and the gate are activations,
-and core is one of those scratch round trips.
+and core is one of those scratch round trips. When M1c runs before it
+(``m1c``, a planner.M1cShape) q and the cache rows of the requests' contexts
+(``context`` positions in all, each read once) are activations instead of o
+and lse, which become a scratch round trip too (the request layout's few
+int32 words are not counted).
 
 Shapes: S tokens, H hidden, C core width, T ranks, nb AttnRes blocks.
 """
@@ -21,7 +25,7 @@ import math
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError
 from .layout import PEER_REGIONS, peer_layout
-from .planner import M1bShape
+from .planner import M1bShape, M1cShape
 from .weights import shard_shapes
 
 EXPERT_TENSORS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
@@ -57,11 +61,19 @@ def weight_bytes(cfg: K3Config, tp: int, unique_experts: int, m1b: M1bShape | No
     return out
 
 
-def activation_bytes(cfg: K3Config, tp: int, tokens: int, nblocks: int, m1b: M1bShape | None = None) -> dict[str, int]:
+def activation_bytes(cfg: K3Config, tp: int, tokens: int, nblocks: int, m1b: M1bShape | None = None,
+                     m1c: M1cShape | None = None, context: int = 0) -> dict[str, int]:
     """name -> bytes of the activations one rank's launch reads."""
     S, H, heads = tokens, cfg.hidden_size, cfg.num_attention_heads // tp
     if m1b is None:
         out = {"core": S * (cfg.core_width // tp) * BF16_BYTES}  # the rank's heads
+    elif m1c is not None:
+        dqk = m1b.latent + m1c.rope
+        out = {
+            "q": S * heads * dqk * BF16_BYTES,
+            "kv": context * dqk * (1 if m1c.kv_fp8 else BF16_BYTES),
+            "gate": S * (cfg.core_width // tp) * BF16_BYTES,
+        }
     else:
         out = {
             "o": m1b.splits * S * heads * m1b.latent * 4,  # fp32
@@ -79,14 +91,16 @@ def activation_bytes(cfg: K3Config, tp: int, tokens: int, nblocks: int, m1b: M1b
 
 def floor_bytes(
     cfg: K3Config, tp: int, tokens: int, unique_experts: int | None = None, *, nblocks: int | None = None,
-    m1b: M1bShape | None = None,
+    m1b: M1bShape | None = None, m1c: M1cShape | None = None, context: int | None = None,
 ) -> dict:
     """The bytes one rank's launch must read.
 
     unique_experts: distinct routed experts (default ``min(S*K, E)``; the
     planner plans every (token, slot) as distinct, so it matches ``S*K``).
     nblocks: AttnRes blocks of the layer (``cfg.num_blocks(layer)``; default
-    the deepest layer's, the largest). m1b: the launch runs M1b (module docstring).
+    the deepest layer's, the largest). m1b: the launch runs M1b, m1c: M1c too,
+    over ``context`` cache positions (the sum of the requests' seq_lens; required
+    with m1c) (module docstring).
 
     Returns {"weights": {name: bytes}, "activations": {name: bytes},
     "weight_bytes", "activation_bytes", "total"}.
@@ -100,8 +114,10 @@ def floor_bytes(
     nblocks = deepest_nblocks(cfg) if nblocks is None else nblocks
     if not isinstance(nblocks, int) or nblocks < 1:
         raise K3InputError(f"nblocks: expected a positive integer, got {nblocks!r}")
+    if m1c is not None and (m1b is None or not isinstance(context, int) or context < 1):
+        raise K3InputError(f"context: M1c (with M1b) reads a positive number of cache positions, got {context!r}")
     weights = weight_bytes(cfg, tp, unique_experts, m1b)
-    activations = activation_bytes(cfg, tp, tokens, nblocks, m1b)
+    activations = activation_bytes(cfg, tp, tokens, nblocks, m1b, m1c, context or 0)
     return {
         "weights": weights,
         "activations": activations,

@@ -16,6 +16,12 @@ Scratch of a rank (only that rank reads and writes it):
     expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
     latent     [S, L]        bf16   rms(bf16(sum of AR2), routed_expert_norm)
     shared_act [S, SI/T]     bf16   situ of the shared experts, this rank's slice
+    split_o    [splits, S, heads_r, DL] fp32   M1c's split outputs (only with M1C tasks)
+    split_lse  [splits, S, heads_r]     fp32   their log-sum-exps   (only with M1C tasks)
+
+The split outputs are the launch's own: written by its M1C tasks, read by its
+M1B tasks a few microseconds later (an L2 round trip), so the host neither
+allocates nor passes them and a captured launch replays with no extra buffer.
 
 Every region starts on a ``REGION_ALIGN`` boundary, so any dtype view of it is
 aligned for 16-byte vector access.
@@ -67,19 +73,22 @@ def peer_layout(cfg: K3Config, tp: int, tokens: int) -> dict:
     )
 
 
-def scratch_layout(cfg: K3Config, tp: int, tokens: int) -> dict:
-    """A rank's scratch buffer: name -> (byte offset, shape, dtype)."""
+def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
+    """A rank's scratch buffer: name -> (byte offset, shape, dtype). ``m1c``: the
+    launch's M1C tasks (planner.M1cGeometry: splits, heads, latent), or None."""
     H, K, L, S = cfg.hidden_size, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, tokens
-    return _pack(
-        {
-            "x": ((S, H), torch.bfloat16),
-            "route_ids": ((S, K), torch.int32),
-            "route_w": ((S, K), torch.float32),
-            "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
-            "latent": ((S, L), torch.bfloat16),
-            "shared_act": ((S, cfg.shared_intermediate // tp), torch.bfloat16),
-        }
-    )
+    regions = {
+        "x": ((S, H), torch.bfloat16),
+        "route_ids": ((S, K), torch.int32),
+        "route_w": ((S, K), torch.float32),
+        "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
+        "latent": ((S, L), torch.bfloat16),
+        "shared_act": ((S, cfg.shared_intermediate // tp), torch.bfloat16),
+    }
+    if m1c is not None:
+        regions["split_o"] = ((m1c.splits, S, m1c.heads, m1c.latent), torch.float32)
+        regions["split_lse"] = ((m1c.splits, S, m1c.heads), torch.float32)
+    return _pack(regions)
 
 
 def layout_bytes(layout: dict) -> int:

@@ -22,13 +22,9 @@ Geometry, and why:
   132 SMs of an H100/H200 once, while the split outputs M1b reads back
   (splits x heads x DL x 4 bytes = 384 KB a token) stay small next to a
   long context's cache read (576 bytes a position in fp8, 1152 in bf16).
-* ``ATTN_BLOCK_H`` = 16 heads a program: tl.dot's smallest M; a TP8 rank's
-  12 heads fit one block, so every cache row is read once per token and split.
-* ``ATTN_BLOCK_N`` = 32 positions a step: a 32 x 512 bf16 latent tile is
-  32 KB of shared memory, and the fp32 accumulator [16, 512] is another
-  32 KB of registers (64 a thread at 4 warps); larger steps would spill.
-* ``BACK_BLOCK_DV`` and ``BACK_BLOCK_K``: M1b's tile, shared with the mono
-  launch's M1B tasks, so the planner holds them (and why).
+* ``ATTN_BLOCK_H`` and ``ATTN_BLOCK_N``: M1c's tile (16 heads, 32 positions a
+  step), ``BACK_BLOCK_DV`` and ``BACK_BLOCK_K``: M1b's; shared with the mono
+  launch's M1C and M1B tasks, so the planner holds them (and why).
 
 ``staged_mla_layer_post`` is an MLA layer's post-attention half staged: M1b
 per rank, then the staged layer (the mono launch runs both in one:
@@ -42,15 +38,20 @@ import torch
 from .errors import K3InputError
 from .kernels.mla_attn import check_mla_attn_args, check_q, launch_mla_attn, shape_text
 from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
-from .planner import BACK_BLOCK_DV, BACK_BLOCK_K
+from .planner import ATTN_BLOCK_H, ATTN_BLOCK_N, BACK_BLOCK_DV, BACK_BLOCK_K
 from .reference.mla import LATENT_DIM
 
 DEFAULT_SPLITS = 16
-ATTN_BLOCK_H = 16
-ATTN_BLOCK_N = 32
 
 M1B_INPUTS = ("o", "lse", "w_v", "w_v_scale", "gate")
 """The keys of one rank's M1b input dict (mla_back's arguments)."""
+
+M1B_WEIGHTS = ("w_v", "w_v_scale", "gate")
+"""The keys of one rank's M1b input dict when M1c runs in the same launch (its
+split outputs are the launch's own)."""
+
+M1C_INPUTS = ("q", "kv", "kv_scale", "qsl", "seq_lens", "pages", "indptr", "scale")
+"""The keys of one rank's M1c input dict (mla_attn's arguments)."""
 
 
 def split_outputs(q, splits: int, latent_dim: int):
@@ -100,11 +101,11 @@ def mla_decode(q, kv, qsl, seq_lens, pages, indptr, scale, w_v, gate, *, kv_scal
     return core
 
 
-def check_m1b_keys(name: str, m1b_in) -> None:
-    """m1b_in is a dict of exactly M1B_INPUTS."""
-    if not isinstance(m1b_in, dict) or set(m1b_in) != set(M1B_INPUTS):
+def check_m1b_keys(name: str, m1b_in, keys=M1B_INPUTS) -> None:
+    """m1b_in is a dict of exactly ``keys`` (M1B_INPUTS, M1B_WEIGHTS or M1C_INPUTS)."""
+    if not isinstance(m1b_in, dict) or set(m1b_in) != set(keys):
         got = sorted(m1b_in) if isinstance(m1b_in, dict) else type(m1b_in).__name__
-        raise K3InputError(f"{name}: expected a dict of {list(M1B_INPUTS)}, got {got}")
+        raise K3InputError(f"{name}: expected a dict of {list(keys)}, got {got}")
 
 
 def rank_cores(m1b_in_per_rank) -> torch.Tensor:
@@ -120,6 +121,21 @@ def rank_cores(m1b_in_per_rank) -> torch.Tensor:
         launch_mla_back(m["o"], m["lse"], m["w_v"], m["gate"], core, w_v_scale=m["w_v_scale"],
                         block_k=BACK_BLOCK_K, block_dv=BACK_BLOCK_DV)
     return torch.cat(cores, dim=1)
+
+
+def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int) -> list[dict]:
+    """Each rank's M1b inputs (M1B_INPUTS) from its M1c inputs (a dict of M1C_INPUTS)
+    and its M1b weights (a dict of M1B_WEIGHTS): its M1c, one launch a rank."""
+    out = []
+    for rank, (attn_in, weights) in enumerate(zip(m1c_in_per_rank, m1b_weights_per_rank)):
+        check_m1b_keys(f"m1c_in[{rank}]", attn_in, M1C_INPUTS)
+        check_m1b_keys(f"m1b_in[{rank}]", weights, M1B_WEIGHTS)
+        _, _, latent = check_w_v(weights["w_v"])
+        o, lse = mla_attn(attn_in["q"], attn_in["kv"], attn_in["qsl"], attn_in["seq_lens"], attn_in["pages"],
+                          attn_in["indptr"], attn_in["scale"], kv_scale=attn_in["kv_scale"], splits=splits,
+                          latent_dim=latent)
+        out.append({**weights, "o": o, "lse": lse})
+    return out
 
 
 def staged_mla_layer_post(staged, m1b_in_per_rank, prefix, blocks):

@@ -4,7 +4,8 @@ Build key and cache
     ``MonoBuild`` (frozen): the config, tokens, T, option bits, the AttnRes
     candidate pad, loopback, the SM count the grid is planned for, the
     prefetch mode, the flag scope and, on an MLA layer whose launch runs M1b
-    first, the shape of M1b's inputs (planner.M1bShape). ``build(key)`` plans
+    first, the shape of M1b's inputs (planner.M1bShape) and, when M1c runs
+    before it, of M1c's (planner.M1cShape). ``build(key)`` plans
     the task table (planner.plan) and derives every constexpr and region
     offset; the result is cached per key (the table tensor per device).
 
@@ -14,7 +15,8 @@ Buffers of a rank (flat uint8, every region REGION_ALIGN-aligned)
              the planner's int32 flag words (never cleared; epoch e waits for
              e * count).
     scratch  layout.scratch_layout (x, route_ids, route_w, expert_act, latent,
-             shared_act), then ``ctl``: the ticket counter and the CTAs-done
+             shared_act; split_o and split_lse, M1c's split outputs, with
+             M1C), then ``ctl``: the ticket counter and the CTAs-done
              counter (the last CTA of a launch resets both: no host work
              between launches, so the launch can be captured and replayed).
     epoch    int32 [1] on the device: read by the launch, advanced by its last
@@ -31,6 +33,10 @@ k2_launch argument names (the seed's) -> LayerWeights fields
     ``alarm`` is the wait bound: polls a wait may spin before it gives up.
     ``m1b_in`` (M1b builds only): the rank's heads' o, lse, w_v, w_v_scale and
     gate (kernels/mla_back.py); the launch writes ``core`` from them first.
+    With M1C, m1b_in is only w_v, w_v_scale and gate, and ``m1c_in`` the
+    rank's heads' q, kv, kv_scale, qsl, seq_lens, pages, indptr and scale
+    (kernels/mla_attn.py): the launch writes the split outputs into its
+    scratch first, and M1b reads them there.
 
 Ranks
     ``MonoRank``: one rank's state (scratch, epoch word, health, input copies,
@@ -52,7 +58,11 @@ Ranks
     MLA layers (options.m1b): ``layer_post_mla(m1b_in, prefix, blocks)``, one
     dict of M1b inputs a rank; each rank's launch writes its own core from
     its heads' inputs. In loopback the other ranks' pushes come from a staged
-    run on the core every rank's staged M1b writes (mla.rank_cores).
+    run on the core every rank's staged M1b writes (mla.rank_cores). With
+    options.m1c, ``layer_post_mla(m1b_in, prefix, blocks, m1c_in=...)``:
+    m1b_in the weights (w_v, w_v_scale, gate) and m1c_in one dict of M1c
+    inputs a rank; in loopback the core comes from every rank's staged M1c
+    (mla.mla_attn), then its staged M1b.
 """
 
 from __future__ import annotations
@@ -64,9 +74,9 @@ from dataclasses import dataclass
 import torch
 
 from .config import MAX_TOKENS, K3Config
-from .errors import K3InputError, expect_tensor
+from .errors import K3InputError, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
-from .planner import COL, PEER_FLAGS, M1bShape, MonoOptions, next_pow2, plan, timing_variant
+from .planner import COL, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, next_pow2, plan, timing_variant
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_layer_inputs
 from .weights import LayerWeights
@@ -112,6 +122,7 @@ class MonoBuild:
     prefetch: int = DEFAULT_PREFETCH  # 0 never, 1 when a wait would block, 2 always
     scope: str = "gpu"
     m1b: M1bShape | None = None  # with the m1b bit of opt (MonoOptions.m1b)
+    m1c: M1cShape | None = None  # with the m1c bit of opt (MonoOptions.m1c)
     variant: tuple[str, int] | None = None  # (how, TaskKind code): planner.timing_variant, timing only
 
     def __post_init__(self):
@@ -124,7 +135,7 @@ class MonoBuild:
 
     @property
     def options(self) -> MonoOptions:
-        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b)
+        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c)
 
 
 # -- layouts -------------------------------------------------------------------------------
@@ -144,7 +155,10 @@ def peer_regions(key: MonoBuild, num_flag_words: int) -> dict:
 
 def scratch_regions(key: MonoBuild) -> dict:
     """A rank's scratch buffer: layout.scratch_layout's regions, then ``ctl``: name -> (byte offset, bytes)."""
-    lay = scratch_layout(key.cfg, key.tp, key.tokens)
+    return build(key).scratch
+
+
+def _scratch_regions(lay: dict) -> dict:
     out = {}
     for name, (off, shape, dtype) in lay.items():
         if name != "__end__":
@@ -175,6 +189,7 @@ class Compiled:
     peer: dict  # peer_regions
     scratch: dict  # scratch_regions
     data: dict  # data_layout (one parity)
+    scratch_lay: dict  # layout.scratch_layout of the launch (the split outputs with M1C)
     _on_device: dict = dataclasses.field(default_factory=dict)
 
     def rows_on(self, device) -> torch.Tensor:
@@ -216,7 +231,8 @@ def build(key: MonoBuild) -> Compiled:
     I, SI = cfg.moe_intermediate_size, cfg.shared_intermediate
     data = data_layout(key)
     peer = peer_regions(key, table.num_flag_words)
-    scratch = scratch_regions(key)
+    scratch_lay = scratch_layout(cfg, T, S, g.m1c)
+    scratch = _scratch_regions(scratch_lay)
     half = peer["parity1"][0]
     grid = 1 if _interpreting() else table.ctas
 
@@ -245,9 +261,9 @@ def build(key: MonoBuild) -> Compiled:
         X_B=elems(scratch["x"][0], 2), IDS_I=elems(scratch["route_ids"][0], 4), RW_F=elems(scratch["route_w"][0], 4),
         ACT_B=elems(scratch["expert_act"][0], 2), LAT_B=elems(scratch["latent"][0], 2),
         SACT_B=elems(scratch["shared_act"][0], 2), CTL_I=elems(scratch["ctl"][0], 4),
-        PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b),
+        PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b), **_m1c_consts(g.m1c),
     )
-    compiled = Compiled(key, table, _table_rows(table, key.loopback), grid, consts, peer, scratch, data)
+    compiled = Compiled(key, table, _table_rows(table, key.loopback), grid, consts, peer, scratch, data, scratch_lay)
     _CACHE[key] = compiled
     return compiled
 
@@ -260,35 +276,95 @@ def _m1b_consts(m1b) -> dict:
                 D_LATENT=m1b.latent, D_V=m1b.value, M1B_BK=m1b.block_k, M1B_DV=m1b.block_dv, W_V_FP8=m1b.w_v_fp8)
 
 
+def _m1c_consts(m1c) -> dict:
+    """The M1C constexprs; without M1C the branch is compiled out and these are 1s."""
+    if m1c is None:
+        return dict(M1C=False, M1C_HEADS=1, M1C_B=1, M1C_BP=1, PAGE_SIZE=1, D_ROPE=1, KV_FP8=False, M1C_BH=1,
+                    M1C_HB=1, M1C_BN=1)
+    return dict(M1C=True, M1C_HEADS=m1c.heads, M1C_B=m1c.requests, M1C_BP=next_pow2(m1c.requests),
+                PAGE_SIZE=m1c.page_size, D_ROPE=m1c.rope, KV_FP8=m1c.kv_fp8, M1C_BH=m1c.block_h,
+                M1C_HB=m1c.head_blocks, M1C_BN=m1c.block_n)
+
+
 # -- the launcher ----------------------------------------------------------------------------
 
-def check_m1b_inputs(key: MonoBuild, m1b_in, core) -> None:
+def split_outputs(key: MonoBuild, scratch) -> tuple | None:
+    """(o, lse): the split outputs in a rank's flat uint8 ``scratch`` where the
+    key's launch writes them itself (M1C), else None."""
+    if key.m1c is None:
+        return None
+    views = region_views(scratch, build(key).scratch_lay)
+    return views["split_o"], views["split_lse"]
+
+
+def check_m1b_inputs(key: MonoBuild, m1b_in, core, splits=None) -> None:
     """m1b_in is given iff ``key`` runs M1b, shaped for the key (the rank's heads,
-    its splits, latent width and w_v dtype) and as kernels/mla_back.py takes it."""
+    its splits, latent width and w_v dtype) and as kernels/mla_back.py takes it.
+    ``splits``: the launch's own (o, lse) (split_outputs) where it runs M1c, and
+    m1b_in then holds only M1b's weights and gate (mla.M1B_WEIGHTS)."""
     from .kernels.mla_back import FP8, check_mla_back_args
-    from .mla import check_m1b_keys
+    from .mla import M1B_INPUTS, M1B_WEIGHTS, check_m1b_keys
 
     if key.m1b is None:
         if m1b_in is not None:
             raise K3InputError("m1b_in: this build runs no M1b (MonoOptions.m1b unset): expected None")
         return
-    check_m1b_keys("m1b_in", m1b_in)
+    check_m1b_keys("m1b_in", m1b_in, M1B_INPUTS if key.m1c is None else M1B_WEIGHTS)
     g, S = build(key).table.geometry.m1b, key.tokens
+    o, lse = (m1b_in["o"], m1b_in["lse"]) if splits is None else splits
     w_v_dtype = FP8 if g.w_v_fp8 else torch.bfloat16
-    expect_tensor("o", m1b_in["o"], (g.splits, S, g.heads, g.latent), torch.float32)
-    expect_tensor("lse", m1b_in["lse"], (g.splits, S, g.heads), torch.float32)
+    expect_tensor("o", o, (g.splits, S, g.heads, g.latent), torch.float32)
+    expect_tensor("lse", lse, (g.splits, S, g.heads), torch.float32)
     expect_tensor("w_v", m1b_in["w_v"], (g.heads, g.value, g.latent), w_v_dtype)
     expect_tensor("gate", m1b_in["gate"], (S, g.heads * g.value), torch.bfloat16)
-    check_mla_back_args(m1b_in["o"], m1b_in["lse"], m1b_in["w_v"], m1b_in["gate"], core, m1b_in["w_v_scale"])
+    check_mla_back_args(o, lse, m1b_in["w_v"], m1b_in["gate"], core, m1b_in["w_v_scale"])
 
 
-def _m1b_args(m1b_in, core) -> list:
-    """The kernel's M1b arguments (o .. stride_gs); placeholders without M1b."""
+def check_m1c_inputs(key: MonoBuild, m1c_in, splits) -> None:
+    """m1c_in is given iff ``key`` runs M1c, shaped for the key (the rank's heads,
+    S tokens, B requests, page size, widths, kv dtype) and as kernels/mla_attn.py
+    takes it; ``splits`` the launch's own (o, lse) it writes (split_outputs).
+    The request layout's values are not read (reference.mla.check_requests)."""
+    from .kernels.mla_attn import FP8, check_mla_attn_args, shape_text
+    from .mla import M1C_INPUTS, check_m1b_keys
+
+    if key.m1c is None:
+        if m1c_in is not None:
+            raise K3InputError("m1c_in: this build runs no M1c (MonoOptions.m1c unset): expected None")
+        return
+    check_m1b_keys("m1c_in", m1c_in, M1C_INPUTS)
+    g, S = build(key).table.geometry.m1c, key.tokens
+    dqk = g.latent + g.rope
+    kv = m1c_in["kv"]
+    expect_tensor("q", m1c_in["q"], (S, g.heads, dqk), torch.bfloat16)
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or tuple(kv.shape[1:]) != (g.page_size, dqk):
+        raise K3InputError(f"kv: expected shape [pages, {g.page_size}, {dqk}], got {shape_text(kv)}")
+    expect_dtype("kv", kv, FP8 if g.kv_fp8 else torch.bfloat16)
+    expect_tensor("seq_lens", m1c_in["seq_lens"], (g.requests,), torch.int32)
+    check_mla_attn_args(m1c_in["q"], kv, m1c_in["qsl"], m1c_in["seq_lens"], m1c_in["pages"], m1c_in["indptr"],
+                        *splits, m1c_in["kv_scale"])
+    if not isinstance(m1c_in["scale"], (int, float)) or isinstance(m1c_in["scale"], bool):
+        raise K3InputError(f"scale: expected the softmax scale as a float, got {type(m1c_in['scale']).__name__}")
+
+
+def _m1b_args(m1b_in, core, splits) -> list:
+    """The kernel's M1b arguments (o .. stride_gs); placeholders without M1b.
+    o and lse are the launch's own (``splits``) where it runs M1c."""
     if m1b_in is None:
         return [core, 0, 0, 0, core, 0, 0, core, 0, 0, 1.0, core, 0]
-    o, lse, w_v, gate = m1b_in["o"], m1b_in["lse"], m1b_in["w_v"], m1b_in["gate"]
+    o, lse = (m1b_in["o"], m1b_in["lse"]) if splits is None else splits
+    w_v, gate = m1b_in["w_v"], m1b_in["gate"]
     return [o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
             w_v, w_v.stride(0), w_v.stride(1), float(m1b_in["w_v_scale"]), gate, gate.stride(0)]
+
+
+def _m1c_args(m1c_in, core) -> list:
+    """The kernel's M1c arguments (q .. attn_scale); placeholders without M1c."""
+    if m1c_in is None:
+        return [core, 0, 0, core, 0, 0, 1.0, core, core, core, core, 1.0]
+    q, kv = m1c_in["q"], m1c_in["kv"]
+    return [q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), float(m1c_in["kv_scale"]), m1c_in["qsl"],
+            m1c_in["seq_lens"], m1c_in["pages"], m1c_in["indptr"], float(m1c_in["scale"])]
 
 
 
@@ -329,6 +405,7 @@ def k2_launch(
     alarm,
     own=None,
     m1b_in=None,
+    m1c_in=None,
 ) -> None:
     """One rank's layer_post in one launch (on the current stream).
 
@@ -340,11 +417,12 @@ def k2_launch(
     buffer (default peers[rank], loopback peers[0]); epoch: int32 [1] device
     word (the launch's epoch; advanced by the launch); health: int32
     [HEALTH_WORDS]; alarm: the wait bound in polls. m1b_in: required iff
-    key.m1b (check_m1b_inputs): the launch writes core from it first."""
+    key.m1b (check_m1b_inputs): the launch writes core from it first. m1c_in:
+    required iff key.m1c (check_m1c_inputs): the launch writes M1b's split
+    outputs into its scratch before that, and m1b_in is M1b's weights only."""
     from .kernels.mono import _mono_kernel
 
     c = build(key)
-    check_m1b_inputs(key, m1b_in, core)
     peers = list(peers)
     if len(peers) != c.consts["NP"]:
         raise K3InputError(f"peers: expected {c.consts['NP']} buffers, got {len(peers)}")
@@ -355,13 +433,17 @@ def k2_launch(
     ]:
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < need:
             raise K3InputError(f"{name}: expected a flat uint8 buffer of at least {need} bytes")
+    splits = split_outputs(key, scratch)
+    check_m1b_inputs(key, m1b_in, core, splits)
+    check_m1c_inputs(key, m1c_in, splits)
     w_sg, w_su = _pair("w_sgu", w_sgu)
     w1, w3 = _pair("w13", w13)
     w1s, w3s = _pair("w13s", w13s)
     nb = key.cfg.num_blocks(layer)
     views = lambda b, dt: b.view(dt)  # noqa: E731
     _mono_kernel[(c.grid,)](
-        c.rows_on(core.device), core, core.stride(0), *_m1b_args(m1b_in, core), w_o, prefix, prefix.stride(0),
+        c.rows_on(core.device), core, core.stride(0), *_m1b_args(m1b_in, core, splits),
+        *_m1c_args(m1c_in, core), w_o, prefix, prefix.stride(0),
         blocks, blocks.stride(0), blocks.stride(1), nb, ares_nw, ares_qk, in_nw, float(key.cfg.rms_norm_eps),
         w_gate, bias, float(key.cfg.routed_scaling_factor), w_ld, w_sg, w_su, w_sd, w1, w1s, w3, w3s, w2, w2s, ln_w,
         w_up, out, out.stride(0),
@@ -418,6 +500,7 @@ class MonoRank:
         self.out = torch.empty((S, cfg.hidden_size), dtype=torch.bfloat16, device=dev)
         self.blocks = None
         self.m1b_in = None  # M1b builds: the rank's heads' M1b inputs (load_m1b_inputs)
+        self.m1c_in = None  # M1c builds: the rank's heads' M1c inputs (load_m1b_inputs)
         self.broken = None
         self.symmetric_handle = None  # keeps a symmetric-memory mapping of the peers alive
         self._args = launch_args(shard)
@@ -442,7 +525,7 @@ class MonoRank:
         return self.own[off : off + n].view(torch.int32)[: self.compiled.table.num_flag_words]
 
     def scratch(self) -> dict:
-        return region_views(self.scratch_buffer, scratch_layout(self.key.cfg, self.key.tp, self.key.tokens))
+        return region_views(self.scratch_buffer, self.compiled.scratch_lay)
 
     def ctl(self) -> torch.Tensor:
         off, _ = self.compiled.scratch["ctl"]
@@ -461,20 +544,23 @@ class MonoRank:
         self.prefix.copy_(prefix)
         self.blocks = blocks
 
-    def load_m1b_inputs(self, m1b_in, prefix, blocks) -> None:
+    def load_m1b_inputs(self, m1b_in, prefix, blocks, m1c_in=None) -> None:
         """An MLA layer (M1b build): this rank's heads' M1b inputs (checked, then
-        read in place: the launch writes core from them), a copy of prefix;
-        ``blocks`` as load_inputs."""
-        check_m1b_inputs(self.key, m1b_in, self.core)
+        read in place: the launch writes core from them), with M1c (M1c build)
+        its M1c inputs too, a copy of prefix; ``blocks`` as load_inputs."""
+        splits = split_outputs(self.key, self.scratch_buffer)
+        check_m1b_inputs(self.key, m1b_in, self.core, splits)
+        check_m1c_inputs(self.key, m1c_in, splits)
         self.m1b_in = dict(m1b_in)
+        self.m1c_in = None if m1c_in is None else dict(m1c_in)
         self.prefix.copy_(prefix)
         self.blocks = blocks
 
     def poison(self, peer_regions: bool) -> None:
-        """NaN / -1 into the scratch data regions and out (not ctl), and into core
-        where the launch writes it (M1b); with ``peer_regions`` also into both
-        parities of the own peer buffer (only safe while no other rank can be
-        pushing into it)."""
+        """NaN / -1 into the scratch data regions (the split outputs included)
+        and out (not ctl), and into core where the launch writes it (M1b); with
+        ``peer_regions`` also into both parities of the own peer buffer (only
+        safe while no other rank can be pushing into it)."""
         for t in self.scratch().values():
             t.fill_(float("nan") if t.dtype.is_floating_point else -1)
         self.out.fill_(float("nan"))
@@ -492,7 +578,7 @@ class MonoRank:
         k2_launch(
             self.key, core=self.core, prefix=self.prefix, blocks=self.blocks, **self._args, out=self.out,
             scratch=self.scratch_buffer, peers=self.peers, rank=self.rank, epoch=self.epoch_word, layer=self.layer,
-            health=self.health, alarm=self.spin_limit, own=self.own, m1b_in=self.m1b_in,
+            health=self.health, alarm=self.spin_limit, own=self.own, m1b_in=self.m1b_in, m1c_in=self.m1c_in,
         )
 
     def check_health(self) -> None:
@@ -611,7 +697,7 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
     options = options or MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM)
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
-                     m1b=options.m1b)
+                     m1b=options.m1b, m1c=options.m1c)
 
 
 class MonoRunner:
@@ -626,7 +712,9 @@ class MonoRunner:
     ``layer_post(core, prefix, blocks)`` returns rank 0's outputs
     (staged.StagedResult); ``rank_results()`` every rank's. With
     ``options.m1b`` (an MLA layer) ``layer_post_mla(m1b_in, prefix, blocks)``
-    instead: one dict of M1b inputs a rank (check_m1b_inputs)."""
+    instead: one dict of M1b inputs a rank (check_m1b_inputs); with
+    ``options.m1c`` also ``m1c_in=``, one dict of M1c inputs a rank
+    (check_m1c_inputs), and m1b_in holds M1b's weights and gate only."""
 
     def __init__(self, cfg: K3Config, shards, tokens: int, layer: int, *, device=None, loopback=None,
                  options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH,
@@ -698,26 +786,40 @@ class MonoRunner:
         if self.loopback and self.tp > 1:
             self._prewrite(core, prefix, blocks)
 
-    def load_mla_inputs(self, m1b_in, prefix, blocks) -> None:
-        """An MLA layer's inputs (M1b build): m1b_in one dict a rank, every one
-        checked before anything runs. In loopback the other ranks' pushes come
-        from the core every rank's staged M1b writes."""
-        from .mla import rank_cores
+    def load_mla_inputs(self, m1b_in, prefix, blocks, m1c_in=None) -> None:
+        """An MLA layer's inputs (M1b build): m1b_in one dict a rank, with M1c
+        (M1c build) m1c_in one dict a rank too, every one checked before
+        anything runs. In loopback the other ranks' pushes come from the core
+        every rank's staged M1c (M1c build) and M1b write."""
+        from .mla import rank_cores, with_split_outputs
+        from .reference.mla import check_requests
 
         if self.key.m1b is None:
             raise K3InputError("m1b_in: this MonoRunner runs no M1b (options.m1b unset); use layer_post(core, ...)")
-        if not isinstance(m1b_in, (list, tuple)) or len(m1b_in) != self.tp:
-            got = len(m1b_in) if isinstance(m1b_in, (list, tuple)) else type(m1b_in).__name__
-            raise K3InputError(f"m1b_in: expected one dict of M1b inputs a rank ({self.tp}), got {got}")
-        for rank, inputs in zip(self.rank_states, m1b_in):
-            check_m1b_inputs(self.key, inputs, rank.core)
+        self._check_per_rank("m1b_in", "M1b", m1b_in)
+        if self.key.m1c is not None:
+            self._check_per_rank("m1c_in", "M1c", m1c_in)
+        elif m1c_in is not None:
+            raise K3InputError("m1c_in: this MonoRunner runs no M1c (options.m1c unset): expected None")
+        for r, rank in enumerate(self.rank_states):
+            splits = split_outputs(self.key, rank.scratch_buffer)
+            check_m1b_inputs(self.key, m1b_in[r], rank.core, splits)
+            check_m1c_inputs(self.key, None if m1c_in is None else m1c_in[r], splits)
+            if m1c_in is not None:
+                check_requests(*(m1c_in[r][name] for name in ("q", "kv", "qsl", "seq_lens", "pages", "indptr")))
         # core is the launch's own output: a stand-in of its shape lets the shared check judge prefix and blocks
         shape_of_core = torch.empty((self.tokens, self.cfg.core_width), dtype=torch.bfloat16, device=self.device)
         blocks = self._checked_activations(shape_of_core, prefix, blocks)
-        for rank, inputs in zip(self.rank_states, m1b_in):
-            rank.load_m1b_inputs(inputs, prefix, blocks)
+        for r, rank in enumerate(self.rank_states):
+            rank.load_m1b_inputs(m1b_in[r], prefix, blocks, None if m1c_in is None else m1c_in[r])
         if self.loopback and self.tp > 1:
-            self._prewrite(rank_cores(m1b_in), prefix, blocks)
+            back_in = m1b_in if m1c_in is None else with_split_outputs(m1c_in, m1b_in, self.key.m1b.splits)
+            self._prewrite(rank_cores(back_in), prefix, blocks)
+
+    def _check_per_rank(self, name: str, what: str, per_rank) -> None:
+        if not isinstance(per_rank, (list, tuple)) or len(per_rank) != self.tp:
+            got = len(per_rank) if isinstance(per_rank, (list, tuple)) else type(per_rank).__name__
+            raise K3InputError(f"{name}: expected one dict of {what} inputs a rank ({self.tp}), got {got}")
 
     def _prewrite(self, core, prefix, blocks) -> None:
         """Every rank's buffer gets the other ranks' pushes of this input (a staged
@@ -791,9 +893,10 @@ class MonoRunner:
 
     __call__ = layer_post
 
-    def layer_post_mla(self, m1b_in, prefix, blocks, streams=None) -> StagedResult:
-        """One MLA layer's layer_post with M1b in the launch: rank 0's outputs."""
-        self.load_mla_inputs(m1b_in, prefix, blocks)
+    def layer_post_mla(self, m1b_in, prefix, blocks, streams=None, m1c_in=None) -> StagedResult:
+        """One MLA layer's layer_post with M1b (and M1c, with m1c_in) in the launch:
+        rank 0's outputs."""
+        self.load_mla_inputs(m1b_in, prefix, blocks, m1c_in)
         self.poison()
         self.run(streams)
         return self.result(0)

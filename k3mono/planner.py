@@ -28,6 +28,9 @@ kernel file holds no magic numbers. Why these values:
 * M1b (the MLA back-end, kernels/mla_back.py) cuts a rank's heads into tasks
   of ``BACK_BLOCK_DV`` value rows of one head, each for all S tokens, so each
   w_v tile is read once a launch (``M1bGeometry``).
+* M1c (the MLA decode attention, kernels/mla_attn.py) cuts the work into one
+  task (or program) a query token, context split and ``ATTN_BLOCK_H`` heads,
+  ``ATTN_BLOCK_N`` context positions a step (``M1cGeometry``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ BACK_BLOCK_K = 64
 [16, 64] fp32 tile of each split's o a step."""
 
 
+ATTN_BLOCK_H = 16
+"""Heads an M1c task (or program) covers: tl.dot's smallest M; a TP8 rank's 12
+heads fit one block, so every cache row is read once per token and split."""
+
+ATTN_BLOCK_N = 32
+"""Context positions an M1c step covers: a 32 x 512 bf16 latent tile is 32 KB
+of shared memory, and the fp32 accumulator [16, 512] another 32 KB of
+registers (64 a thread at 4 warps); larger steps would spill."""
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -95,6 +108,7 @@ class StageGeometry:
     # token's T partial slots in flight at once, so more warps than the reduces.
     latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
     m1b: "M1bGeometry | None" = None  # the mono launch's M1b tasks (MonoOptions.m1b)
+    m1c: "M1cGeometry | None" = None  # the mono launch's M1c tasks (MonoOptions.m1c)
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,62 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape) -> M1bGeo
     )
 
 
+@dataclass(frozen=True)
+class M1cShape:
+    """What an MLA layer's M1c inputs look like (a build-key part, like M1bShape;
+    the splits and the latent width are M1bShape's): ``page_size`` cache rows a
+    page, ``requests`` B (1 <= B <= S), ``rope`` DR the positional width after
+    the latent (64 in Kimi-K3), ``kv_fp8`` the cache in fp8 e4m3 (else bf16)."""
+
+    page_size: int
+    requests: int
+    rope: int = 64
+    kv_fp8: bool = False
+
+
+@dataclass(frozen=True)
+class M1cGeometry:
+    """M1c in a rank's launch: ``heads`` = num_attention_heads / T, ``tokens`` S
+    query tokens, ``splits`` of each request's context; a task is one (token,
+    split, block of ``block_h`` heads), ``block_n`` positions a step. Its
+    split outputs o [splits, S, heads, latent] and lse [splits, S, heads]
+    (fp32) are the launch's own scratch (layout.scratch_layout)."""
+
+    heads: int
+    tokens: int
+    latent: int
+    rope: int
+    splits: int
+    page_size: int
+    requests: int
+    kv_fp8: bool
+    block_h: int
+    block_n: int
+
+    @property
+    def head_blocks(self) -> int:
+        return -(-self.heads // self.block_h)
+
+    @property
+    def tasks(self) -> int:
+        return self.tokens * self.splits * self.head_blocks
+
+
+def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cShape) -> M1cGeometry:
+    return M1cGeometry(
+        heads=cfg.num_attention_heads // tp,
+        tokens=tokens,
+        latent=m1b.latent,
+        rope=shape.rope,
+        splits=m1b.splits,
+        page_size=shape.page_size,
+        requests=shape.requests,
+        kv_fp8=shape.kv_fp8,
+        block_h=ATTN_BLOCK_H,
+        block_n=ATTN_BLOCK_N,
+    )
+
+
 def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4) -> GemvTile:
     """A tile no larger than the output and the input it covers."""
     return GemvTile(rows=min(rows, next_pow2(out_dim)), block_k=min(block_k, next_pow2(in_dim)), warps=warps)
@@ -159,7 +229,8 @@ def _dense(out_dim: int, in_dim: int, use_dot: bool) -> GemvTile:
     return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
 
 
-def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = None) -> StageGeometry:
+def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = None,
+                   m1c: M1cShape | None = None) -> StageGeometry:
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"stage_geometry: tokens must be 1..{MAX_TOKENS}, got {tokens}")
     H, C, E, L = cfg.hidden_size, cfg.core_width, cfg.num_experts, cfg.routed_expert_hidden_size
@@ -183,6 +254,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b),
+        m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )
 
 
@@ -205,8 +277,13 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 # Table order (the dependency chain fixes the kinds' order; the freedom left is
 # used so weights stream while the exchanges settle):
 #
-#   M1B           (option, MLA layers) first: the rank's core from M1c's split
-#                 outputs, a head's BLOCK_DV value rows a task, all tokens
+#   M1C           (option, with M1B) first: the split outputs o / lse into the
+#                 launch's scratch, one (token, split, head block) a task,
+#                 token-major; no wait, they read only the cache and q
+#   M1B           (option, MLA layers) next: the rank's core from M1c's split
+#                 outputs, a head's BLOCK_DV value rows a task, all tokens;
+#                 with M1C each waits for every M1C task (SPLITS: it combines
+#                 every split of its head for all tokens), issuing nothing first
 #   OPROJ         all tiles next: 22 MB at T = 8 stream at once; with M1B each
 #                 issues its weights, then waits for the whole core (CORE: it
 #                 reads every column of the rank's heads), otherwise no wait
@@ -255,7 +332,8 @@ MAX_WAITS = 2
 
 OPT_PREFETCH_FINAL = 1 << 0
 OPT_M1B = 1 << 1
-OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B
+OPT_M1C = 1 << 2
+OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C
 
 
 class TaskKind(enum.IntEnum):
@@ -276,6 +354,7 @@ class TaskKind(enum.IntEnum):
     REDUCE3 = 12
     M1B = 13
     NOP = 14  # a timing variant's skipped task: its waits and its raise, no work (timing_variant)
+    M1C = 15
 
 
 class Flag(enum.IntEnum):
@@ -293,6 +372,7 @@ class Flag(enum.IntEnum):
     LATENT_READY = 9  # [1]    latent norm written
     AR3 = 10  # [reduce3 tile] final partial rows arrived        (peer)
     CORE = 11  # [1, 0 without M1B] the rank's core columns written (M1B)
+    SPLITS = 12  # [1, 0 without M1C] the split outputs o / lse written (M1C)
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
@@ -310,6 +390,9 @@ class MonoOptions:
     m1b (a build-key bit when set; its M1bShape is a build-key part, like
     ctas_per_sm not in ``bits()``): an MLA layer's launch runs M1b first, so
     o_proj starts from M1c's split outputs instead of a finished core.
+    m1c (a build-key bit when set, its M1cShape a build-key part; needs m1b):
+    the launch runs M1c before M1b, so it starts from q and the paged latent
+    cache and writes the split outputs itself.
     ctas_per_sm (launch only, not in ``bits()``): resident CTAs an SM is given.
     One program of the GEMV geometry keeps one tile step (8 KB) in flight and an
     SM wants about 32 KB, so more than one may pay; the benchmark decides. It
@@ -319,17 +402,22 @@ class MonoOptions:
     prefetch_final: bool = False
     ctas_per_sm: int = 1
     m1b: M1bShape | None = None
+    m1c: M1cShape | None = None
 
     def bits(self) -> int:
-        return (OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
+        return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
+                | (OPT_M1C if self.m1c is not None else 0))
 
     @classmethod
-    def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None) -> "MonoOptions":
+    def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
+                  m1c: M1cShape | None = None) -> "MonoOptions":
         if bits & ~OPT_ALL:
             raise K3InputError(f"options: unknown option bits {bits & ~OPT_ALL:#x}")
         if bool(bits & OPT_M1B) != (m1b is not None):
             raise K3InputError(f"options: the m1b bit and the M1b shape go together, got bits {bits:#x} and {m1b}")
-        return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b)
+        if bool(bits & OPT_M1C) != (m1c is not None):
+            raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
+        return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c)
 
 
 @dataclass(frozen=True)
@@ -585,6 +673,13 @@ def _all_rows(lo: int, hi: int) -> tuple:
     return (slice(None), slice(lo, hi))
 
 
+def _split_writes(table: TaskTable, task: Task) -> list[Write]:
+    """An M1C task's heads of one (split, token) in the launch's split outputs."""
+    split = task.tile // table.geometry.m1c.head_blocks
+    heads = slice(*task.span)
+    return [Write("split_o", False, (split, task.token, heads)), Write("split_lse", False, (split, task.token, heads))]
+
+
 def _rank_cols(table: TaskTable, task: Task, rank: int, full: int) -> slice:
     """Columns of an all-gathered [S, full] region that rank ``rank``'s rows land in."""
     base = rank * (full // table.tp)
@@ -592,6 +687,7 @@ def _rank_cols(table: TaskTable, task: Task, rank: int, full: int) -> slice:
 
 
 _WRITES = {
+    TaskKind.M1C: lambda tb, t, r: _split_writes(tb, t),
     TaskKind.M1B: lambda tb, t, r: [Write("core", False, _all_rows(*t.span))],
     TaskKind.NOP: lambda tb, t, r: [],
     TaskKind.OPROJ: lambda tb, t, r: [Write("ar1", True, (r, slice(None), slice(*t.span)))],
@@ -668,6 +764,8 @@ class _Planner:
         self.reduce3_tiles = tiles(H, self.reduce3_cols)
         m1b = geometry.m1b  # M1B tiles: the rank's core columns, head-major (tile = head * blocks_per_head + block)
         self.m1b_tiles = tiles(m1b.heads * m1b.value, m1b.block_dv) if m1b is not None else []
+        m1c = geometry.m1c  # M1C head blocks of one (token, split): tile = split * head_blocks + block
+        self.m1c_blocks = tiles(m1c.heads, m1c.block_h) if m1c is not None else []
 
     # -- weight bytes --------------------------------------------------------------
     def _row_bytes(self, name: str) -> int:
@@ -694,14 +792,29 @@ class _Planner:
         self.specs.append(_TaskSpec(kind, tile, span, token, slot, tuple(streams), tuple(waits), tuple(raises)))
 
     # -- the kinds, in table order -------------------------------------------------
+    def m1c(self):
+        # the cache is an activation whose size the request layout sets at run
+        # time: the tasks stream no weights, floor.py counts the cache bytes
+        m1c = self.g.m1c
+        if m1c is None:
+            return
+        for token in range(self.S):
+            for split in range(m1c.splits):
+                for block, lo, hi in self.m1c_blocks:
+                    self.add(TaskKind.M1C, tile=split * m1c.head_blocks + block, span=(lo, hi), token=token,
+                             raises=[(Flag.SPLITS, 0)])
+
     def m1b(self):
         m1b = self.g.m1b
         if m1b is None:
             return
         row_bytes = m1b.latent * (1 if m1b.w_v_fp8 else 2)
+        # each task combines every split of its head for all tokens: one wait on every M1C task
+        m1c = self.g.m1c
+        waits = [_WaitSpec(Flag.SPLITS, 0, m1c.tasks)] if m1c is not None else []
         for tile, lo, hi in self.m1b_tiles:
             self.add(TaskKind.M1B, tile=tile, span=(lo, hi), streams=(("w_v", (hi - lo) * row_bytes),),
-                     raises=[(Flag.CORE, 0)])
+                     waits=waits, raises=[(Flag.CORE, 0)])
 
     def oproj(self):
         # o_proj reads all of the rank's core columns: one wait on every M1B task
@@ -792,7 +905,7 @@ class _Planner:
                      waits=[_WaitSpec(Flag.AR3, tile, self.tp * producers)])
 
     def in_table_order(self) -> list[_TaskSpec]:
-        for step in (self.m1b, self.oproj, self.reduce1, self.seam, self.router, self.latent_down,
+        for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam, self.router, self.latent_down,
                      self.shared_gate_up, self.route, self.expert_gate_up, self.expert_down, self.prefetch_final,
                      self.latent_norm, self.final, self.reduce3):
             step()
@@ -813,6 +926,7 @@ class _Planner:
             Flag.LATENT_READY: 1,
             Flag.AR3: len(self.reduce3_tiles),
             Flag.CORE: 1 if self.m1b_tiles else 0,
+            Flag.SPLITS: 1 if self.m1c_blocks else 0,
         }
         return tuple((flag, slots[flag]) for flag in Flag)
 
@@ -881,6 +995,8 @@ def _validate(cfg: K3Config, tp: int, tokens: int, sms: int, options) -> None:
         raise K3InputError(f"options.ctas_per_sm: expected a positive integer, got {options.ctas_per_sm!r}")
     if options.m1b is not None:
         _validate_m1b(cfg, options.m1b)
+    if options.m1c is not None:
+        _validate_m1c(options.m1b, options.m1c, tokens)
 
 
 def _validate_m1b(cfg: K3Config, m1b) -> None:
@@ -894,11 +1010,29 @@ def _validate_m1b(cfg: K3Config, m1b) -> None:
             raise K3InputError(f"{name}: M1b expects a power of two >= {DOT_MIN_TOKENS}, got {width!r}")
 
 
+def _validate_m1c(m1b, m1c, tokens: int) -> None:
+    """M1c feeds M1b; its positional width is a tl.arange / tl.dot extent."""
+    if not isinstance(m1c, M1cShape):
+        raise K3InputError(f"options.m1c: expected M1cShape, got {type(m1c).__name__}")
+    if m1b is None:
+        raise K3InputError("options.m1c: M1c writes M1b's split outputs: it needs options.m1b too")
+
+    def positive(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if not positive(m1c.page_size):
+        raise K3InputError(f"options.m1c.page_size: expected a positive integer, got {m1c.page_size!r}")
+    if not positive(m1c.requests) or m1c.requests > tokens:
+        raise K3InputError(f"options.m1c.requests: expected an integer in 1..{tokens} (S), got {m1c.requests!r}")
+    if not positive(m1c.rope) or m1c.rope < DOT_MIN_TOKENS or m1c.rope & (m1c.rope - 1):
+        raise K3InputError(f"options.m1c.rope: M1c expects a power of two >= {DOT_MIN_TOKENS}, got {m1c.rope!r}")
+
+
 def plan(cfg: K3Config, tp: int, tokens: int, sms: int, options: MonoOptions | None = None) -> TaskTable:
     """The task table of one rank's mono launch (every rank runs the same one)."""
     options = MonoOptions() if options is None else options
     _validate(cfg, tp, tokens, sms, options)
-    geometry = stage_geometry(cfg, tp, tokens, options.m1b)
+    geometry = stage_geometry(cfg, tp, tokens, options.m1b, options.m1c)
     planner = _Planner(cfg, tp, tokens, geometry, options)
     tasks = _ticketed(planner.in_table_order())
     _check_invariant(tasks)

@@ -12,6 +12,14 @@ routes must equal the bf16 chain's. The core the launch wrote must be the
 staged M1b's bit for bit (the same task function on the same data in the
 same order). Outputs and core start poisoned (NaN), so an element left
 unwritten fails.
+
+With M1c in the launch as well (MonoOptions(m1c=...)), the launch starts from
+q and a paged latent cache: the chain is the reference M1c -> M1b ->
+layer_post, the split outputs in the launch's scratch and the core must be
+the staged M1c and M1b kernels' bit for bit, and the split outputs start
+poisoned too. Cache rows outside every context are NaN, pages are shuffled,
+contexts are no multiple of the page size, and one request's context of 2
+positions leaves a split empty.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from k3mono import mla
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import MonoRunner
-from k3mono.planner import M1bShape, MonoOptions
+from k3mono.planner import M1bShape, M1cShape, MonoOptions
 from k3mono.reference import layer_post, layer_post_tp
 from k3mono.reference import mla as ref_mla
 from k3mono.runner import BUDGET_FACTOR, rel_err
@@ -184,3 +192,135 @@ def test_o_proj_weights_read_before_the_core_wait_change_no_bits():
     a = plain.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
     b = eager.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
     assert all(torch.equal(bits(getattr(a, n)), bits(getattr(b, n))) for n in NAMES)
+
+
+# -- M1c in the launch too ------------------------------------------------------------------
+
+ROPE = 16  # DR: the smallest tl.dot width
+PAGE_SIZE = 8
+
+
+def paged_cache(seq_lens, kv_dtype, gen):
+    """(kv, kv_scale, pages, indptr) with shuffled pages and NaN rows outside every context."""
+    dqk = LATENT + ROPE
+    counts = [-(-n // PAGE_SIZE) for n in seq_lens]
+    num_pages = sum(counts) + 1  # a page nobody owns
+    pages = torch.randperm(num_pages, generator=gen)[: sum(counts)].to(torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    kv = torch.full((num_pages, PAGE_SIZE, dqk), float("nan"))
+    for b, n in enumerate(seq_lens):
+        owned = pages[indptr[b] : indptr[b + 1]].long()
+        rows = kv[owned].reshape(-1, dqk)
+        rows[:n] = torch.randn(n, dqk, generator=gen)
+        kv[owned] = rows.reshape(-1, PAGE_SIZE, dqk)
+    kv_scale = 0.037 if kv_dtype == FP8 else 1.0
+    return (kv / kv_scale).to(kv_dtype), kv_scale, pages, indptr
+
+
+def m1c_inputs(cfg, tp: int, queries, seq_lens, kv_dtype, seed: int) -> tuple[list[dict], list[dict]]:
+    """(m1c_in, m1b_in), one dict a rank: the rank's heads' q over one shared cache,
+    and its w_v and gate."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, value, tokens = cfg.num_attention_heads // tp, cfg.v_head_dim, sum(queries)
+    kv, kv_scale, pages, indptr = paged_cache(seq_lens, kv_dtype, gen)
+    layout = dict(kv=kv, kv_scale=kv_scale, pages=pages, indptr=indptr, scale=(LATENT + ROPE) ** -0.5,
+                  qsl=torch.tensor([0] + torch.tensor(queries).cumsum(0).tolist(), dtype=torch.int32),
+                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+    attn, back = [], []
+    for _ in range(tp):
+        attn.append(dict(layout, q=(1.5 * torch.randn(tokens, heads, LATENT + ROPE, generator=gen)).to(torch.bfloat16)))
+        back.append(dict(w_v=(torch.randn(heads, value, LATENT, generator=gen) * LATENT**-0.5).to(torch.bfloat16),
+                         w_v_scale=1.0, gate=torch.randn(tokens, heads * value, generator=gen).to(torch.bfloat16)))
+    return attn, back
+
+
+def reference_m1c_core(m1c_in: list[dict], m1b_in: list[dict], mode: str) -> torch.Tensor:
+    """The reference M1c then M1b of every rank's heads, side by side: core [S, C]."""
+    cores = []
+    for a, m in zip(m1c_in, m1b_in):
+        o, lse = ref_mla.mla_attn(a["q"], a["kv"], a["qsl"], a["seq_lens"], a["pages"], a["indptr"], a["scale"],
+                                  SPLITS, kv_scale=a["kv_scale"], latent_dim=LATENT, mode=mode)
+        cores.append(ref_mla.mla_back(o, lse, m["w_v"], m["gate"], w_v_scale=m["w_v_scale"], mode=mode))
+    return torch.cat(cores, dim=1)
+
+
+def m1c_runner(cfg, shards, tokens: int, requests: int, kv_dtype) -> MonoRunner:
+    options = MonoOptions(m1b=M1bShape(splits=SPLITS, latent=LATENT),
+                          m1c=M1cShape(page_size=PAGE_SIZE, requests=requests, rope=ROPE, kv_fp8=kv_dtype == FP8))
+    return MonoRunner(cfg, shards, tokens, LAYER, options=options)
+
+
+M1C_CASES = [(1, [1], [13], torch.bfloat16), (1, [2, 1], [13, 2], FP8), (2, [1, 2], [21, 9], torch.bfloat16)]
+
+
+@pytest.mark.parametrize("tp,queries,seq_lens,kv_dtype", M1C_CASES,
+                         ids=[f"T{t}-B{len(q)}-S{sum(q)}-{str(d)[6:]}" for t, q, _, d in M1C_CASES])
+def test_mono_with_m1c_and_m1b_matches_the_reference_chain_and_the_staged_kernels(tp, queries, seq_lens, kv_dtype):
+    cfg, weights = preset("tiny"), layer_weights()
+    shards, tokens = shard_all(weights, cfg, tp), sum(queries)
+    act = random_inputs(cfg, tokens, LAYER, seed=60 + 7 * tp + tokens)
+    m1c_in, m1b_in = m1c_inputs(cfg, tp, queries, seq_lens, kv_dtype, seed=tp * 10 + tokens)
+    runner = m1c_runner(cfg, shards, tokens, len(queries), kv_dtype)
+    assert [t.kind.name for t in runner.compiled.table.tasks[:2]] == ["M1C", "M1C"]
+    got = runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"], m1c_in=m1c_in)
+
+    # (b) each rank's launch wrote the staged M1c's split outputs and the staged M1b's core, bit for bit
+    staged_in = mla.with_split_outputs(m1c_in, m1b_in, SPLITS)
+    staged_core = mla.rank_cores(staged_in)
+    width = cfg.core_width // tp
+    for r in range(tp):
+        scratch = runner.scratch(r)
+        for name, want in (("split_o", staged_in[r]["o"]), ("split_lse", staged_in[r]["lse"])):
+            assert not scratch[name].isnan().any() and torch.equal(bits(scratch[name]), bits(want)), (r, name)
+        assert torch.equal(bits(runner.rank_states[r].core), bits(staged_core[:, r * width : (r + 1) * width])), r
+    assert staged_in[-1]["lse"].isneginf().any() == (min(seq_lens) < SPLITS)
+
+    # (a) the chain: reference M1c -> M1b (bf16) -> reference layer_post, judged against the oracle chain
+    args = dict(prefix=act["prefix"], blocks=act["blocks"], layer=LAYER, cfg=cfg)
+    core = reference_m1c_core(m1c_in, m1b_in, "bf16")
+    want = layer_post(core, **args, weights=weights) if tp == 1 else layer_post_tp(core, **args, shards=shards)
+    assert torch.equal(got.route_ids, want.route_ids), "routes differ from the bf16 reference chain"
+    exact_core = reference_m1c_core(m1c_in, m1b_in, "oracle")
+    exact = layer_post(exact_core, **args, weights=weights, mode="oracle", forced_routes=got.route_ids)
+    for name in ("moe_out", "prefix", "route_weights"):
+        out = getattr(got, name)
+        assert torch.isfinite(out.float()).all(), name
+        budget = BUDGET_FACTOR * rel_err(getattr(want, name), getattr(exact, name))
+        err = rel_err(out, getattr(exact, name))
+        assert err <= budget, f"{name}: error {err:.3g} against the oracle chain, budget {budget:.3g}"
+
+    # every rank holds the staged chain's bits (staged M1c, M1b, then the staged layer)
+    staged = mla.staged_mla_layer_post(StagedLayer(cfg, shards, tokens, LAYER), staged_in, act["prefix"], act["blocks"])
+    for r, other in enumerate(runner.rank_results()):
+        assert all(torch.equal(bits(getattr(staged, n)), bits(getattr(other, n))) for n in NAMES), r
+
+
+BAD_M1C = {
+    "m1c-missing": (lambda a, m: (None, [m]), r"^m1c_in: expected one dict of M1c inputs a rank \(1\), got NoneType"),
+    "no-scale": (lambda a, m: ([{k: v for k, v in a.items() if k != "scale"}], [m]), r"^m1c_in: expected a dict"),
+    "q-fp32": (lambda a, m: ([{**a, "q": a["q"].float()}], [m]), r"^q: expected dtype torch.bfloat16, got .*float32"),
+    "kv-fp8": (lambda a, m: ([{**a, "kv": a["kv"].to(FP8)}], [m]), r"^kv: expected dtype torch.bfloat16, got .*float8"),
+    "kv-page-size": (lambda a, m: ([{**a, "kv": a["kv"][:, :4]}], [m]), r"^kv: expected shape \[pages, 8, 48\]"),
+    "seq_lens-int64": (lambda a, m: ([{**a, "seq_lens": a["seq_lens"].long()}], [m]), r"^seq_lens: expected dtype"),
+    "m1b-with-o": (lambda a, m: ([a], [{**m, "o": None, "lse": None}]), r"^m1b_in: expected a dict of \['w_v'"),
+    "past-the-pages": (lambda a, m: ([{**a, "seq_lens": a["seq_lens"] + 8}], [m]), r"^request 0: "),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_M1C))
+def test_bad_m1c_input_is_named_before_any_launch(case, monkeypatch):
+    cfg = preset("tiny")
+    corrupt, message = BAD_M1C[case]
+    launches = []
+    monkeypatch.setattr("k3mono.kernels.mono._mono_kernel", LaunchRecorder(launches))
+    runner = m1c_runner(cfg, shard_all(layer_weights(), cfg, 1), 1, 1, torch.bfloat16)
+    act = random_inputs(cfg, 1, LAYER, seed=6)
+    m1c_in, m1b_in = m1c_inputs(cfg, 1, [1], [13], torch.bfloat16, seed=6)
+    attn, back = corrupt(m1c_in[0], m1b_in[0])
+    with pytest.raises(K3InputError, match=message):
+        runner.layer_post_mla(back, act["prefix"], act["blocks"], m1c_in=attn)
+    assert launches == []
+    with pytest.raises(K3InputError, match=r"^m1c_in: "):  # the runner launches with what it loaded
+        runner.rank_states[0].m1b_in, runner.rank_states[0].m1c_in = m1b_in[0], None
+        runner.run()
+    assert launches == []

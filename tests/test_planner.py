@@ -23,6 +23,7 @@ from k3mono.planner import (
     TABLE_COLUMNS,
     Flag,
     M1bShape,
+    M1cShape,
     MonoOptions,
     Raise,
     TaskKind,
@@ -39,8 +40,10 @@ CONFIGS = (
 )
 SIM_CASES = [(name, tp, s, sms) for name, tp, s in CONFIGS for sms in SMS]
 M1B_CONFIGS = [("kimi-k3", 8, 4), ("kimi-k3", 1, 16), ("tiny", 2, 3), ("tiny", 1, 1)]
-TABLES = [(*c, False) for c in CONFIGS] + [(*c, True) for c in M1B_CONFIGS]
-"""(preset, T, S, m1b): every config plain, a few as MLA layers whose launch runs M1b."""
+TABLES = ([(*c, None) for c in CONFIGS] + [(*c, "m1b") for c in M1B_CONFIGS]
+          + [(*c, "m1c") for c in M1B_CONFIGS])
+"""(preset, T, S, mla): every config plain, a few as MLA layers whose launch runs
+M1b ("m1b"), or M1c then M1b ("m1c")."""
 
 KIND_ORDER = [
     TaskKind.OPROJ,
@@ -63,10 +66,17 @@ def m1b_shape(name: str, tp: int) -> M1bShape:
     return M1bShape(splits=4, latent=512 if name == "kimi-k3" else 32, w_v_fp8=tp == 8)
 
 
+def m1c_shape(name: str, tp: int, tokens: int) -> M1cShape:
+    """Kimi-K3's positional width and fp8 cache at TP8; two requests where S allows."""
+    return M1cShape(page_size=64 if name == "kimi-k3" else 16, requests=min(2, tokens),
+                    rope=64 if name == "kimi-k3" else 16, kv_fp8=tp == 8)
+
+
 @lru_cache(maxsize=None)
-def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False, m1b: bool = False):
-    shape = m1b_shape(name, tp) if m1b else None
-    return plan(preset(name), tp, tokens, sms, MonoOptions(prefetch_final=prefetch_final, m1b=shape))
+def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False, mla: str | None = None):
+    m1b = m1b_shape(name, tp) if mla else None
+    m1c = m1c_shape(name, tp, tokens) if mla == "m1c" else None
+    return plan(preset(name), tp, tokens, sms, MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c))
 
 
 def raisers_of(table) -> dict:
@@ -81,10 +91,10 @@ def raisers_of(table) -> dict:
 # -- order and flags ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
+@pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, m1b, prefetch):
-    table = table_for(name, tp, tokens, prefetch_final=prefetch, m1b=m1b)
+def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, mla, prefetch):
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla)
     raisers = raisers_of(table)
     for task in table.tasks:
         assert len(task.waits) <= MAX_WAITS and len(task.raises) <= 1
@@ -95,9 +105,9 @@ def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, m1b
     assert [t.ticket for t in table.tasks] == list(range(len(table.tasks)))
 
 
-@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
-def test_every_flag_is_raised_exactly_its_count_and_every_raise_is_awaited(name, tp, tokens, m1b):
-    table = table_for(name, tp, tokens, m1b=m1b)
+@pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
+def test_every_flag_is_raised_exactly_its_count_and_every_raise_is_awaited(name, tp, tokens, mla):
+    table = table_for(name, tp, tokens, mla=mla)
     raisers = raisers_of(table)
     counts = {}
     for task in table.tasks:
@@ -110,9 +120,9 @@ def test_every_flag_is_raised_exactly_its_count_and_every_raise_is_awaited(name,
         assert needed == {per_launch}, f"{flag.name}[{index}]: raised {per_launch} times a launch, awaited {needed}"
 
 
-@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
-def test_flag_words_are_distinct_and_in_range(name, tp, tokens, m1b):
-    table = table_for(name, tp, tokens, m1b=m1b)
+@pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
+def test_flag_words_are_distinct_and_in_range(name, tp, tokens, mla):
+    table = table_for(name, tp, tokens, mla=mla)
     words = {}
     for flag, slots in table.flag_slots:
         for index in range(slots):
@@ -141,7 +151,7 @@ def test_kinds_come_in_the_documented_order(prefetch):
 @pytest.mark.parametrize("name,tp,tokens", M1B_CONFIGS)
 def test_m1b_tasks_come_first_and_every_oproj_waits_for_the_whole_core(name, tp, tokens):
     cfg, shape = preset(name), m1b_shape(name, tp)
-    table = table_for(name, tp, tokens, m1b=True)
+    table = table_for(name, tp, tokens, mla="m1b")
     assert [group.kind for group in table.groups()] == [TaskKind.M1B] + KIND_ORDER
     m1b = table.groups()[0].tasks
     heads, g = cfg.num_attention_heads // tp, table.geometry.m1b
@@ -167,6 +177,65 @@ def test_m1b_tasks_come_first_and_every_oproj_waits_for_the_whole_core(name, tp,
     assert LaunchSim(table, ranks=tp, ctas=table.ctas, launches=2).run().premature == []
 
 
+@pytest.mark.parametrize("name,tp,tokens", M1B_CONFIGS)
+def test_m1c_tasks_come_first_and_every_m1b_waits_for_all_of_them(name, tp, tokens):
+    cfg, shape = preset(name), m1c_shape(name, tp, tokens)
+    table, m1b_only = table_for(name, tp, tokens, mla="m1c"), table_for(name, tp, tokens, mla="m1b")
+    assert [group.kind for group in table.groups()] == [TaskKind.M1C, TaskKind.M1B] + KIND_ORDER
+    m1c = table.groups()[0].tasks
+    g, heads = table.geometry.m1c, cfg.num_attention_heads // tp
+    assert (g.heads, g.tokens, g.splits, g.latent, g.rope) == (heads, tokens, 4, m1b_shape(name, tp).latent, shape.rope)
+    # token-major, then split, then head block; tile = split * head_blocks + block
+    blocks = tiles(heads, g.block_h)
+    want = [(s, k * g.head_blocks + b, (lo, hi))
+            for s in range(tokens) for k in range(g.splits) for b, lo, hi in blocks]
+    assert [(t.token, t.tile, t.span) for t in m1c] == want and len(m1c) == g.tasks
+    assert all(not t.waits and t.raises == (Raise(Flag.SPLITS, 0),) and t.weight_bytes == 0 for t in m1c)
+    assert not Raise(Flag.SPLITS, 0).every_rank, "SPLITS is the own rank's flag"
+    sources = tuple(t.ticket for t in m1c)
+    for task in table.tasks:
+        if task.kind == TaskKind.M1B:
+            assert [(w.flag, w.index, w.count, w.sources) for w in task.waits] == [(Flag.SPLITS, 0, len(m1c), sources)]
+        else:
+            assert all(w.flag != Flag.SPLITS for w in task.waits)
+    # past the M1C tasks, the M1b table shifted by their count
+    assert [t.row() for t in table.tasks[len(m1c):] if t.kind != TaskKind.M1B] == [
+        t.row() for t in m1b_only.tasks if t.kind != TaskKind.M1B]
+    assert table.summary().weights_by_tensor == m1b_only.summary().weights_by_tensor
+    assert dict(table.flag_slots)[Flag.SPLITS] == 1 and dict(m1b_only.flag_slots)[Flag.SPLITS] == 0
+    assert MonoOptions.from_bits(table.options.bits(), m1b=table.options.m1b, m1c=shape) == table.options
+    with pytest.raises(K3InputError, match="m1c"):
+        MonoOptions.from_bits(table.options.bits(), m1b=table.options.m1b)
+    assert LaunchSim(table, ranks=tp, ctas=table.ctas, launches=2).run().premature == []
+
+
+def test_m1c_needs_m1b_and_shapes_the_kernel_can_take():
+    m1b = M1bShape(splits=2, latent=32)
+    bad = [(None, M1cShape(page_size=16, requests=1, rope=16)), (m1b, M1cShape(page_size=0, requests=1, rope=16)),
+           (m1b, M1cShape(page_size=16, requests=3, rope=16)), (m1b, M1cShape(page_size=16, requests=0, rope=16)),
+           (m1b, M1cShape(page_size=16, requests=1, rope=24)), (m1b, M1cShape(page_size=16, requests=1, rope=8)),
+           (m1b, (16, 1))]
+    for m1b_shape_, m1c in bad:
+        with pytest.raises(K3InputError, match="m1c"):
+            plan(preset("tiny"), 1, 2, 132, MonoOptions(m1b=m1b_shape_, m1c=m1c))
+
+
+def test_floor_with_m1c_counts_the_cache_and_q_not_the_split_outputs():
+    cfg, m1b, m1c = preset("kimi-k3"), M1bShape(splits=16, latent=512, w_v_fp8=True), M1cShape(64, 2, 64, True)
+    with_m1c = floor_bytes(cfg, 8, 4, m1b=m1b, m1c=m1c, context=3000)
+    m1b_only = floor_bytes(cfg, 8, 4, m1b=m1b)
+    assert with_m1c["weights"] == m1b_only["weights"]
+    acts, old = with_m1c["activations"], m1b_only["activations"]
+    assert acts["kv"] == 3000 * 576 and acts["q"] == 4 * 12 * 576 * 2
+    assert "o" not in acts and "lse" not in acts and acts["gate"] == old["gate"]
+    assert with_m1c["total"] - m1b_only["total"] == acts["kv"] + acts["q"] - old["o"] - old["lse"]
+    bf16 = floor_bytes(cfg, 8, 4, m1b=m1b, m1c=M1cShape(64, 2, 64, False), context=3000)
+    assert bf16["activations"]["kv"] == 2 * acts["kv"]
+    for bad in (dict(m1b=m1b, m1c=m1c), dict(m1b=m1b, m1c=m1c, context=0), dict(m1c=m1c, context=5)):
+        with pytest.raises(K3InputError, match="context"):
+            floor_bytes(cfg, 8, 4, **bad)
+
+
 def test_m1b_rejects_widths_the_kernel_cannot_tile():
     for shape in (M1bShape(splits=0, latent=32), M1bShape(splits=2, latent=48), M1bShape(splits=2, latent=8)):
         with pytest.raises(K3InputError, match="m1b"):
@@ -189,7 +258,8 @@ def test_expert_tasks_load_after_the_routes_and_wait_for_data_after_loading():
 def coverage_arrays(table):
     """Zero counters for every region a task writes, with one rank's shapes."""
     cfg, tp, S = table.cfg, table.tp, table.tokens
-    shapes = {name: shape for name, (_, shape, _) in {**peer_layout(cfg, tp, S), **scratch_layout(cfg, tp, S)}.items()}
+    scratch = scratch_layout(cfg, tp, S, table.geometry.m1c)  # M1C writes the split outputs there
+    shapes = {name: shape for name, (_, shape, _) in {**peer_layout(cfg, tp, S), **scratch}.items()}
     shapes.pop("__end__")
     shapes["prefix"] = shapes["out"] = (S, cfg.hidden_size)
     if table.options.m1b is not None:
@@ -197,12 +267,12 @@ def coverage_arrays(table):
     return {name: np.zeros(shape, dtype=np.int32) for name, shape in shapes.items()}
 
 
-@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
+@pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, m1b, prefetch):
+def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, mla, prefetch):
     """On each rank: its own writes to local regions, and every rank's pushes
     into its peer regions (the same for every receiving rank)."""
-    table = table_for(name, tp, tokens, prefetch_final=prefetch, m1b=m1b)
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla)
     local = coverage_arrays(table)  # any one rank: the table is the same on all
     peer = coverage_arrays(table)  # what lands in a rank's peer regions, from all ranks
     for rank in range(tp):
@@ -224,12 +294,13 @@ def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, m
 # -- bytes -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
+@pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_streamed_weight_bytes_equal_the_floor(name, tp, tokens, m1b, prefetch):
-    table = table_for(name, tp, tokens, prefetch_final=prefetch, m1b=m1b)
+def test_streamed_weight_bytes_equal_the_floor(name, tp, tokens, mla, prefetch):
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla)
     cfg = preset(name)
-    floor = floor_bytes(cfg, tp, tokens, unique_experts=tokens * cfg.num_experts_per_token, m1b=table.options.m1b)
+    floor = floor_bytes(cfg, tp, tokens, unique_experts=tokens * cfg.num_experts_per_token, m1b=table.options.m1b,
+                        m1c=table.options.m1c, context=100)
     summary = table.summary()
     assert summary.weights_by_tensor == floor["weights"]
     assert summary.weight_bytes == floor["weight_bytes"]
@@ -275,9 +346,9 @@ def test_floor_counts_distinct_experts_and_validates():
 # -- encoding and CTA count ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
-def test_int_tensor_round_trips(name, tp, tokens, m1b):
-    table = table_for(name, tp, tokens, prefetch_final=tokens == 4, m1b=m1b)
+@pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
+def test_int_tensor_round_trips(name, tp, tokens, mla):
+    table = table_for(name, tp, tokens, prefetch_final=tokens == 4, mla=mla)
     encoded = table.as_int_tensor()
     assert encoded.dtype.is_floating_point is False and encoded.element_size() == 4
     assert tuple(encoded.shape) == (len(table.tasks), len(TABLE_COLUMNS))
@@ -483,11 +554,11 @@ def test_back_to_back_launches_never_see_a_later_epochs_raises(name, tp, tokens,
     assert all(len(f) == 3 for f in sim.finished_at)
 
 
-@pytest.mark.parametrize("name,tp,tokens,m1b", TABLES)
-def test_one_program_walks_the_table_in_order_with_loopback_peers(name, tp, tokens, m1b):
+@pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
+def test_one_program_walks_the_table_in_order_with_loopback_peers(name, tp, tokens, mla):
     """The interpreter: rank 0 alone, one program, every other rank's pushes
     written beforehand. No wait may find its flag short."""
-    table = table_for(name, tp, tokens, 1, m1b=m1b)
+    table = table_for(name, tp, tokens, 1, mla=mla)
     count = Counter()
     for task in table.tasks:
         for r in task.raises:

@@ -6,8 +6,10 @@ context, PAGE_SIZE cache rows a page, D_LATENT latent dims (the value width
 too) and D_ROPE positional dims after them (DQK = D_LATENT + D_ROPE, 576 in
 Kimi-K3), BLOCK_N context positions a step.
 
-Program (s, k, head block); b the request of token s, j = s - qsl[b] its
-place among the request's n query tokens, L = seq_lens[b]:
+Program, or mono task (``mla_attn_task``: kernels/mono.py runs it as the
+M1C tasks of an MLA layer's launch): (s, k, head block); b the request of
+token s, j = s - qsl[b] its place among the request's n query tokens,
+L = seq_lens[b]:
 
     lo = k * ceil(L / SPLITS),  hi = min(lo + ceil(L / SPLITS), L - n + j + 1)   causal end
     score[h, t] = scale * (q[s, h, :] . kv[t, :])             t in lo .. hi - 1, all DQK dims
@@ -116,7 +118,10 @@ def _load_cols(
 
 
 @triton.jit
-def _mla_attn_kernel(
+def mla_attn_task(
+    s,  # the query token
+    k,  # the split
+    head_block,  # which BLOCK_H of this rank's heads
     q_ptr,  # [S, HEADS, DQK] bf16, unit stride along DQK
     stride_qs,
     stride_qh,
@@ -148,9 +153,9 @@ def _mla_attn_kernel(
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    s = tl.program_id(0)
-    k = tl.program_id(1)
-    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """o[k, s, heads of the block] and lse[k, s, ...] (the module docstring's program);
+    kernels/mono.py runs it as the M1C tasks of an MLA layer's launch."""
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     live_h = heads < HEADS
     lat = tl.arange(0, D_LATENT)
     rope = D_LATENT + tl.arange(0, D_ROPE)
@@ -190,6 +195,45 @@ def _mla_attn_kernel(
     lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
     tl.store(o_ptr + k * stride_ok + s * stride_os + heads[:, None] * stride_oh + lat[None, :], o, mask=live_h[:, None])
     tl.store(lse_ptr + k * stride_lk + s * stride_ls + heads, lse, mask=live_h)
+
+
+@triton.jit
+def _mla_attn_kernel(
+    q_ptr,  # [S, HEADS, DQK] bf16
+    stride_qs,
+    stride_qh,
+    kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3
+    stride_kvp,
+    stride_kvr,
+    kv_scale,  # fp32
+    qsl_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    pages_ptr,  # [num_slots] int32
+    indptr_ptr,  # [B + 1] int32
+    scale,  # fp32
+    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32 out
+    stride_ok,
+    stride_os,
+    stride_oh,
+    lse_ptr,  # [SPLITS, S, HEADS] fp32 out
+    stride_lk,
+    stride_ls,
+    HEADS: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    mla_attn_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, stride_qs, stride_qh, kv_ptr,
+                  stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr, scale, o_ptr,
+                  stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls, HEADS, B, BP, PAGE_SIZE, D_LATENT,
+                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, KV_FP8, UPCAST)
 
 
 def shape_text(t) -> str:

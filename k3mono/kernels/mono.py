@@ -17,7 +17,9 @@ Per task:
    chosen experts' rows for EXPERT_GU / EXPERT_DOWN), pulling it into L2
    while the awaited flag settles; the stage function then reads it from L2.
    OPROJ waits only where M1B runs first (then its w_o tile is read while the
-   core settles; otherwise its weights stream at once); M1B has no wait;
+   core settles; otherwise its weights stream at once); M1C has no wait; M1B
+   has none either, or, where M1C runs first, one for every M1C task (its w_v
+   tile is not read before it: a few KB, next to the cache M1C streams);
    REDUCE*, SEAM, ROUTE and LATENT_NORM read activations only (their small
    norm vectors are not prefetched). The stage task functions load x and w
    in one loop, so what is prefetched is an L2 warm-up, not registers kept
@@ -30,7 +32,10 @@ Per task:
    expert_down_task stores its tile itself: into the own ar2 slot, then (NP > 1)
    the CTA copies the rows to every peer before raising. mla_back_task (M1B,
    an MLA layer's first tasks) stores its columns of the rank's core itself;
-   the own CORE flag then counts them for OPROJ.
+   the own CORE flag then counts them for OPROJ. mla_attn_task (M1C, before
+   M1B) stores one (token, split, head block) of the split outputs into the
+   launch's scratch (layout.scratch_layout: split_o, split_lse); the own
+   SPLITS flag counts them for M1B.
 
 A failed (timed out) wait records itself in the health buffer (sync.py) and
 stops the CTA. On exit every CTA bumps ``ctl[1]``; the last one resets both
@@ -59,6 +64,7 @@ from .final import final_task
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
 from .gemv import store_rows
+from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
 from .oproj import oproj_task
 from .reduce import final_reduce_chunk, reduce_prefix_chunk
@@ -83,6 +89,7 @@ K_FINAL = tl.constexpr(11)
 K_REDUCE3 = tl.constexpr(12)
 K_M1B = tl.constexpr(13)
 K_NOP = tl.constexpr(14)
+K_M1C = tl.constexpr(15)
 
 # int table columns (planner.TABLE_COLUMNS)
 C_KIND = tl.constexpr(0)
@@ -142,7 +149,7 @@ def _mono_kernel(
     core_ptr,  # bf16 [S, C/T], row stride stride_cs (M1B: written by the launch, unit column stride)
     stride_cs,
     # M1b's inputs (M1B; otherwise placeholders, never read); heads_r = C / (T * D_V)
-    o_ptr,  # fp32 [SPLITS, S, heads_r, D_LATENT], unit stride along D_LATENT: M1c's split outputs
+    o_ptr,  # fp32 [SPLITS, S, heads_r, D_LATENT], unit stride along D_LATENT: M1c's split outputs (M1C: its scratch)
     stride_ok,
     stride_ot,  # per token (stride_os is out's)
     stride_oh,
@@ -155,6 +162,19 @@ def _mono_kernel(
     w_v_scale,  # fp32: w_v's fp8 dequantisation scale (1.0 for bf16)
     gate_ptr,  # bf16 [S, C/T] output-gate logits, unit column stride
     stride_gs,
+    # M1c's inputs (M1C; otherwise placeholders, never read); DQK = D_LATENT + D_ROPE (576 in Kimi-K3)
+    q_ptr,  # bf16 [S, heads_r, DQK], unit stride along DQK
+    stride_qs,
+    stride_qh,
+    kv_ptr,  # bf16 or fp8 e4m3 (KV_FP8) [pages, PAGE_SIZE, DQK], unit stride along DQK: the paged latent cache
+    stride_kvp,
+    stride_kvr,
+    kv_scale,  # fp32: kv's fp8 dequantisation scale (1.0 for bf16)
+    qsl_ptr,  # int32 [M1C_B + 1]: each request's first query token
+    seq_lens_ptr,  # int32 [M1C_B]: each request's context, its query tokens included
+    pages_ptr,  # int32 [num_slots]: page ids, request b's from indptr[b] on
+    indptr_ptr,  # int32 [M1C_B + 1]
+    attn_scale,  # fp32: the softmax scale
     w_o_ptr,  # bf16 [H, C/T]
     prefix_ptr,  # bf16 [S, H], updated in place
     stride_ps,
@@ -270,6 +290,16 @@ def _mono_kernel(
     M1B_BK: tl.constexpr,
     M1B_DV: tl.constexpr,
     W_V_FP8: tl.constexpr,
+    M1C: tl.constexpr,  # the table has M1C tasks (planner.MonoOptions.m1c)
+    M1C_HEADS: tl.constexpr,  # heads_r
+    M1C_B: tl.constexpr,  # requests
+    M1C_BP: tl.constexpr,  # requests padded to a power of two
+    PAGE_SIZE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    M1C_BH: tl.constexpr,  # heads a task
+    M1C_HB: tl.constexpr,  # head blocks of a (token, split)
+    M1C_BN: tl.constexpr,  # context positions a step
 ):
     epoch = tl.load(epoch_ptr)
     parity = epoch & 1
@@ -344,7 +374,16 @@ def _mono_kernel(
 
         # (4) the task
         if ok != 0:
-            if kind == K_M1B:
+            if kind == K_M1C:
+                if M1C:
+                    # tile = split * M1C_HB + head block (planner._Planner.m1c)
+                    mla_attn_task(token, tile // M1C_HB, tile % M1C_HB, q_ptr, stride_qs, stride_qh, kv_ptr,
+                                  stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr,
+                                  attn_scale, o_ptr, stride_ok, stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls,
+                                  M1C_HEADS, M1C_B, M1C_BP, PAGE_SIZE, D_LATENT, D_ROPE, SPLITS, M1C_BH, M1C_BN,
+                                  KV_FP8, UPCAST)
+                    raise_counter(flags + rword, SCOPE)
+            elif kind == K_M1B:
                 if M1B:
                     # tile = head * (D_V / M1B_DV) + value-row block (planner._m1b_tiles)
                     mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), o_ptr, stride_ok, stride_ot,
