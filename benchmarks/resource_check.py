@@ -32,13 +32,15 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--loopback", action="store_true", help="the benchmarks' loopback mono build (NP = 1)")
+    parser.add_argument("--mla", default="", choices=["", "m1b", "m1c"],
+                        help="an MLA layer's mono build: M1b, or M1c and M1b, folded in")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     print(f"sm_90a builds, preset kimi-k3, T={args.tp}; mono with {'loopback' if args.loopback else 'full'} peers, "
           f"planned {DEFAULT_CTAS_PER_SM} CTAs a SM on {offline.H200_SMS} SMs")
     for tokens in args.tokens:
-        compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback)
-        print(f"S={tokens:>2} mono: grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
+        compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla)
+        print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''}: grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
         for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens):
             loop = max(offline.sass_loops(compiled), key=len)
             ops = offline.opcode_counts(loop)

@@ -398,9 +398,10 @@ _SM90_BUILDS = textwrap.dedent(
         # the IMAD placement holds: one IMAD a value places the nibble (not a shift pair)
         assert ops["IMAD"] >= values and ops["SHF"] < values / 2, (name, ops.most_common(8))
         print(name, round(len(loop) / values, 2))
-    compiled, _ = offline.mono_build(cfg, 8, 1, loopback=False)
-    fits = offline.ctas_per_sm(offline.resource_usage(compiled), compiled.metadata.num_warps)
-    assert fits >= DEFAULT_CTAS_PER_SM, f"the mono kernel fits {fits} CTAs a SM, the grid is planned for {DEFAULT_CTAS_PER_SM}"
+    for mla in ("", "m1c"):  # a plain layer; an MLA layer with M1c and M1b folded in
+        compiled, _ = offline.mono_build(cfg, 8, 1, loopback=False, mla=mla)
+        fits = offline.ctas_per_sm(offline.resource_usage(compiled), compiled.metadata.num_warps)
+        assert fits >= DEFAULT_CTAS_PER_SM, f"mono {mla}: {fits} CTAs fit a SM, the grid is planned for {DEFAULT_CTAS_PER_SM}"
     print("ok")
     """
 )
@@ -408,9 +409,10 @@ _SM90_BUILDS = textwrap.dedent(
 
 def test_sm90_builds_place_nibbles_with_imad_and_mono_fits_its_planned_ctas():
     """Offline Hopper builds (k3mono/offline.py, no GPU): the expert kernels' hot
-    loops place each nibble with one IMAD and do not spill; the mono kernel's
-    registers leave room for the CTAs a SM its grid is planned for. Runs in a
-    child process: the interpreter, on in this one, cannot compile."""
+    loops place each nibble with one IMAD and do not spill; the mono kernel
+    compiles, plain and with M1c and M1b folded in, and its registers leave room
+    for the CTAs a SM its grid is planned for. Runs in a child process: the
+    interpreter, on in this one, cannot compile."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _SM90_BUILDS], env=env, capture_output=True, text=True, timeout=600)
