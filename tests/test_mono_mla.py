@@ -104,11 +104,18 @@ def test_mono_with_m1b_matches_the_reference_chain_and_the_staged_m1b(tp, tokens
         assert torch.equal(bits(runner.rank_states[r].core), bits(staged_core[:, r * width : (r + 1) * width])), r
 
     # (a) the chain: reference M1b (bf16) -> reference layer_post, judged against the oracle chain
+    judge_chain(cfg, weights, shards, act, got, reference_core(m1b_in, "bf16"), reference_core(m1b_in, "oracle"))
+    # every rank holds the same bits, and they are the staged chain's (staged M1b, then the staged layer)
+    same_as_staged_chain(cfg, shards, tokens, m1b_in, act, runner)
+
+
+def judge_chain(cfg, weights, shards, act, got, core, exact_core):
+    """Routes equal the bf16 reference chain's (its core -> layer_post); moe_out,
+    prefix and route_weights within budget of the float64 chain's (exact core)."""
+    tp = len(shards)
     args = dict(prefix=act["prefix"], blocks=act["blocks"], layer=LAYER, cfg=cfg)
-    core = reference_core(m1b_in, "bf16")
     want = layer_post(core, **args, weights=weights) if tp == 1 else layer_post_tp(core, **args, shards=shards)
     assert torch.equal(got.route_ids, want.route_ids), "routes differ from the bf16 reference chain"
-    exact_core = reference_core(m1b_in, "oracle")
     exact = layer_post(exact_core, **args, weights=weights, mode="oracle", forced_routes=got.route_ids)
     for name in ("moe_out", "prefix", "route_weights"):
         out = getattr(got, name)
@@ -117,7 +124,9 @@ def test_mono_with_m1b_matches_the_reference_chain_and_the_staged_m1b(tp, tokens
         err = rel_err(out, getattr(exact, name))
         assert err <= budget, f"{name}: error {err:.3g} against the oracle chain, budget {budget:.3g}"
 
-    # every rank holds the same bits, and they are the staged chain's (staged M1b, then the staged layer)
+
+def same_as_staged_chain(cfg, shards, tokens, m1b_in, act, runner):
+    """Every rank's outputs are the staged chain's bits (staged M1b, then the staged layer)."""
     staged = mla.staged_mla_layer_post(StagedLayer(cfg, shards, tokens, LAYER), m1b_in, act["prefix"], act["blocks"])
     for r, other in enumerate(runner.rank_results()):
         assert all(torch.equal(bits(getattr(staged, n)), bits(getattr(other, n))) for n in NAMES), r
@@ -276,23 +285,10 @@ def test_mono_with_m1c_and_m1b_matches_the_reference_chain_and_the_staged_kernel
     assert staged_in[-1]["lse"].isneginf().any() == (min(seq_lens) < SPLITS)
 
     # (a) the chain: reference M1c -> M1b (bf16) -> reference layer_post, judged against the oracle chain
-    args = dict(prefix=act["prefix"], blocks=act["blocks"], layer=LAYER, cfg=cfg)
-    core = reference_m1c_core(m1c_in, m1b_in, "bf16")
-    want = layer_post(core, **args, weights=weights) if tp == 1 else layer_post_tp(core, **args, shards=shards)
-    assert torch.equal(got.route_ids, want.route_ids), "routes differ from the bf16 reference chain"
-    exact_core = reference_m1c_core(m1c_in, m1b_in, "oracle")
-    exact = layer_post(exact_core, **args, weights=weights, mode="oracle", forced_routes=got.route_ids)
-    for name in ("moe_out", "prefix", "route_weights"):
-        out = getattr(got, name)
-        assert torch.isfinite(out.float()).all(), name
-        budget = BUDGET_FACTOR * rel_err(getattr(want, name), getattr(exact, name))
-        err = rel_err(out, getattr(exact, name))
-        assert err <= budget, f"{name}: error {err:.3g} against the oracle chain, budget {budget:.3g}"
-
+    judge_chain(cfg, weights, shards, act, got, reference_m1c_core(m1c_in, m1b_in, "bf16"),
+                reference_m1c_core(m1c_in, m1b_in, "oracle"))
     # every rank holds the staged chain's bits (staged M1c, M1b, then the staged layer)
-    staged = mla.staged_mla_layer_post(StagedLayer(cfg, shards, tokens, LAYER), staged_in, act["prefix"], act["blocks"])
-    for r, other in enumerate(runner.rank_results()):
-        assert all(torch.equal(bits(getattr(staged, n)), bits(getattr(other, n))) for n in NAMES), r
+    same_as_staged_chain(cfg, shards, tokens, staged_in, act, runner)
 
 
 BAD_M1C = {
