@@ -5,7 +5,8 @@
 #
 #   K3MONO_COMMIT=<hash> bash benchmarks/device_session.sh [steps...]
 #
-# Steps (default: all, in this order): check ranks bench variants mla sweep
+# Steps (default: all one-GPU steps, in this order): check ranks bench variants mla sweep;
+# on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
@@ -42,6 +43,11 @@ for s in $STEPS; do
         step bench_mla 420 python3 -m k3mono bench --tp 8 --tokens 1 --mla --out "$RESULTS" ;;
     sweep)
         step mono_sweep 300 python3 benchmarks/mono_sweep.py ;;
+    gpus)
+        T=$(nvidia-smi -L | wc -l)
+        for S in 1 4 16; do
+            step "ranks_gpus_t${T}_s${S}" 300 python3 -m k3mono ranks --tp "$T" --tokens "$S" --replays 100 --unfused --out "$RESULTS"
+        done ;;
     *)
         echo "unknown step $s" ;;
     esac

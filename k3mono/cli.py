@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     ranks.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     ranks.add_argument("--absent", type=int, default=None, help="fault test: this rank never launches")
     ranks.add_argument("--out", type=Path, default=None, help="write the per-rank results as JSON in this folder")
+    ranks.add_argument("--unfused", action="store_true",
+                       help="also time the unfused path with NCCL all-reduces (procs mode, one GPU a rank)")
     return parser
 
 
@@ -91,7 +93,7 @@ def cmd_ranks(args) -> int:
         replays=args.replays if args.replays is not None else (100 if device == "cuda" else 0),
         preset=args.preset or ("kimi-k3" if device == "cuda" else "tiny"),
         checkpoint=str(args.checkpoint) if args.checkpoint else None, device=device, mode=args.mode,
-        absent=args.absent,
+        absent=args.absent, unfused=args.unfused,
     )
     job.config().validate_tp(job.tp)
     print(

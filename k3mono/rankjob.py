@@ -65,6 +65,7 @@ class RanksJob:
     device: str = "cpu"
     mode: str = "procs"
     absent: int | None = None
+    unfused: bool = False  # also time the unfused path with collective exchanges (procs, one GPU a rank)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -75,6 +76,8 @@ class RanksJob:
             raise K3InputError("ranks: green contexts, streams and CUDA-graph replays need --device cuda")
         if self.input_sets < 1:
             raise K3InputError(f"input_sets: expected at least 1, got {self.input_sets}")
+        if self.unfused and (self.device == "cpu" or self.mode != "procs"):
+            raise K3InputError("ranks --unfused: the NCCL baseline runs in procs mode on GPUs (one a rank)")
 
     @property
     def spin_limit(self) -> int:
@@ -118,6 +121,7 @@ class RankReport:
     replay_mismatches: int = 0
     replays: int = 0
     launch_us: list = field(default_factory=list)
+    unfused_us: float | None = None  # the unfused path with collective exchanges (CollectiveUnfusedRank)
 
     @property
     def median_us(self) -> float | None:
@@ -182,6 +186,8 @@ def mono_rank_worker(rank: int, tp: int, job: RanksJob, host_buffers) -> RankRep
         _eager_runs(job, cfg, state, report, device)
         if job.replays and report.error is None:
             _graph_replays(job, cfg, state, report, device)
+        if job.unfused and report.error is None:
+            report.unfused_us = _time_unfused(job, cfg, my_shard, rank, device)
     finally:
         dist.barrier()  # no rank's buffer goes away while another may still read it
     return report
@@ -242,6 +248,18 @@ def _graph_replays(job, cfg, state, report, device) -> None:
         report.replay_mismatches += not _same_bits(_outputs(state.result()), report.eager[replay % job.input_sets])
 
 
+def _time_unfused(job, cfg, my_shard, rank: int, device) -> float:
+    """Median us of this rank's unfused layer_post with NCCL exchanges, CUDA-graph
+    replays (every rank replays the same count, so the collectives pair up)."""
+    from .timing import time_graph
+    from .unfused import CollectiveUnfusedRank
+
+    unfused = CollectiveUnfusedRank(cfg, my_shard, job.tokens, job.layer)
+    inputs = job.inputs(cfg, 0, device)
+    core_r = inputs["core"].chunk(job.tp, dim=1)[rank].contiguous()
+    return 1e6 * time_graph([lambda: unfused(core_r, inputs["prefix"], inputs["blocks"])])
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -260,8 +278,12 @@ def run_procs(job: RanksJob) -> list[RankReport]:
         key = mono_key(job.config(), job.tokens, job.tp, job.layer, loopback=False, sms=device_sms("cpu"))
         host_buffers = host_shared_buffers(job.tp, buffer_bytes(build(key).peer))
     elif torch.cuda.device_count() < job.tp:
+        if job.unfused:
+            raise K3InputError(f"ranks --unfused: NCCL needs one GPU a rank ({job.tp}), this machine has "
+                               f"{torch.cuda.device_count()}")
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-    return spawn_ranks(job.tp, mono_rank_worker, (job, host_buffers))
+    backend = "nccl" if job.unfused else "gloo"
+    return spawn_ranks(job.tp, mono_rank_worker, (job, host_buffers), backend=backend)
 
 
 # -- ranks in one process, launched at once --------------------------------------------------
@@ -383,15 +405,17 @@ def judge(job: RanksJob, reports: list[RankReport]) -> RanksVerdict:
         rank_ok = shared and all(v.ok for v in verdicts) and report.replay_mismatches == 0
         ok &= rank_ok
         median = f"{report.median_us:8.1f}" if report.median_us is not None else "       -"
+        unfused = f"{report.unfused_us:8.1f}" if report.unfused_us is not None else "       -"
         worst = max(verdicts, key=lambda v: v.moe_err / v.moe_budget)
         lines.append(
             f"{report.rank:>4} {'identical' if shared else 'DIFFER':>10} {worst.moe_err:>9.2e} {worst.moe_budget:>9.2e} "
-            f"{worst.routes_text:>10} {report.replays:>7} {report.replay_mismatches:>10} {median}  {'ok' if rank_ok else 'FAIL'}"
+            f"{worst.routes_text:>10} {report.replays:>7} {report.replay_mismatches:>10} {median} {unfused}  "
+            f"{'ok' if rank_ok else 'FAIL'}"
         )
     return RanksVerdict(lines, ok)
 
 
-RANKS_HEADER = f"{'rank':>4} {'vs rank 0':>10} {'moe err':>9} {'budget':>9} {'routes':>10} {'replays':>7} {'mismatches':>10} {'med us':>8}  ok"
+RANKS_HEADER = f"{'rank':>4} {'vs rank 0':>10} {'moe err':>9} {'budget':>9} {'routes':>10} {'replays':>7} {'mismatches':>10} {'med us':>8} {'unfused':>8}  ok"
 
 
 def _judge_fault(job: RanksJob, reports: list[RankReport]) -> RanksVerdict:
@@ -419,7 +443,7 @@ def write_json(job: RanksJob, reports: list[RankReport], verdict: RanksVerdict, 
         **meta, "job": dataclasses.asdict(job), "ok": verdict.ok, "seconds": seconds, "lines": verdict.lines,
         "ranks": [
             {"rank": r.rank, "error": r.error, "replays": r.replays, "replay_mismatches": r.replay_mismatches,
-             "median_us": r.median_us, "launch_us": r.launch_us}
+             "median_us": r.median_us, "launch_us": r.launch_us, "unfused_us": r.unfused_us}
             for r in reports
         ],
     }

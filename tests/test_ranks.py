@@ -130,3 +130,29 @@ def test_ranks_checks_the_checkpoint_before_it_spawns(tmp_path, capsys):
     make_checkpoint(tmp_path / "ckpt", "tiny", (LAYER,), seed=4)
     assert main(["ranks", "--tp", "2", "--device", "cpu", "--checkpoint", str(tmp_path / "ckpt"), "--layer", "12"]) == 2
     assert "layers.12.self_attn.o_proj.weight is missing" in capsys.readouterr().err
+
+
+def unfused_worker(rank, tp, ckpt, inputs):
+    from k3mono.unfused import CollectiveUnfusedRank
+
+    cfg, full = load_layer(ckpt, LAYER)
+    core_r = inputs["core"].chunk(tp, dim=1)[rank]
+    prefix = inputs["prefix"].clone()
+    out = CollectiveUnfusedRank(cfg, shard(full, cfg, tp, rank), tokens=3, layer=LAYER)(core_r, prefix, inputs["blocks"])
+    return {"moe_out": out, "prefix": prefix}
+
+
+def test_the_unfused_baseline_with_collectives_meets_the_oracle_on_every_rank(tmp_path):
+    """The engines' unfused path (torch ops, exchanges as all-reduce / all-gather):
+    what the several-GPU comparison runs over NCCL, here over gloo."""
+    from k3mono.runner import Oracle
+
+    cfg = make_checkpoint(tmp_path / "ckpt", "tiny", (LAYER,), seed=4)
+    inputs = random_inputs(cfg, 3, LAYER, seed=6)
+    per_rank = spawn_ranks(2, unfused_worker, (str(tmp_path / "ckpt"), inputs))
+    _, full = load_layer(tmp_path / "ckpt", LAYER)
+    oracle = Oracle(cfg, full, inputs, LAYER)
+    for got in per_rank:
+        verdict = oracle.judge(dict(got, route_ids=oracle.reference.route_ids))
+        assert verdict.moe_err <= verdict.moe_budget and verdict.prefix_err <= verdict.prefix_budget, verdict
+        assert torch.equal(got["moe_out"].view(torch.int16), per_rank[0]["moe_out"].view(torch.int16))
