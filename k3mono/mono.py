@@ -241,7 +241,7 @@ def build(key: MonoBuild) -> Compiled:
         return offset // itemsize
 
     consts = dict(
-        NUM_TASKS=len(table.tasks), NCOL=len(COL), GRID=grid,
+        NCOL=len(COL), GRID=grid,
         NP=1 if key.loopback else T, T=T, S=S, SP=g.tokens_pad, H=H, C_R=C // T, E=E, E_R=E // T,
         E_PAD=next_pow2(E), KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
         USE_DOT=g.use_dot, UPCAST=common.UPCAST_DOT,
@@ -451,7 +451,7 @@ def k2_launch(
         views(own, torch.float32), views(own, torch.bfloat16), views(own, torch.int32),
         tuple(views(p, torch.float32) for p in peers), tuple(views(p, torch.bfloat16) for p in peers),
         tuple(views(p, torch.int32) for p in peers),
-        rank, epoch, layer, health, int(alarm),
+        rank, epoch, layer, health, int(alarm), len(c.table.tasks),
         **c.consts, num_warps=4,
     )
 

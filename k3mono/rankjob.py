@@ -2,7 +2,8 @@
 
 Two ways to hold the ranks:
 
-* ``procs``: T spawned processes, one MonoRank each, joined in a gloo group.
+* ``procs``: T spawned processes, one MonoRank each, joined in a gloo group
+  (NCCL with ``unfused``, which also times the unfused path's collectives).
   Peer buffers: symmetric memory on the GPU (one GPU a rank when there are T,
   else all on one GPU with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1, where
   the processes time-slice the GPU: correct but not concurrent), CPU shared
@@ -168,7 +169,7 @@ def _rank_shard(job: RanksJob, rank: int, device) -> tuple[K3Config, LayerWeight
 
 
 def mono_rank_worker(rank: int, tp: int, job: RanksJob, host_buffers) -> RankReport:
-    """One process's rank (ranks.spawn_ranks calls it in a gloo group)."""
+    """One process's rank (ranks.spawn_ranks calls it in the job's process group)."""
     import torch.distributed as dist
 
     from .mono import MonoRank, device_sms, distributed_mono_rank, mono_key

@@ -143,9 +143,9 @@ def _would_block(i: tl.constexpr, row_ptr, flags_ptr, epoch, SCOPE: tl.constexpr
     return (1 - reached(poll_once(flags_ptr + word, SCOPE), epoch * count).to(tl.int32))
 
 
-@triton.jit(do_not_specialize=["nb", "rank", "layer", "spin_limit", "eps", "scaling"])
+@triton.jit(do_not_specialize=["nb", "rank", "layer", "spin_limit", "num_tasks", "eps", "scaling"])
 def _mono_kernel(
-    table_ptr,  # int32 [NUM_TASKS, NCOL]
+    table_ptr,  # int32 [num_tasks, NCOL]
     core_ptr,  # bf16 [S, C/T], row stride stride_cs (M1B: written by the launch, unit column stride)
     stride_cs,
     # M1b's inputs (M1B; otherwise placeholders, never read); heads_r = C / (T * D_V)
@@ -217,7 +217,7 @@ def _mono_kernel(
     layer,
     health_ptr,  # int32 [HEALTH_WORDS]
     spin_limit,  # polls a wait may take
-    NUM_TASKS: tl.constexpr,
+    num_tasks,  # rows of the table (not a constexpr: a timing variant's table reuses the build)
     NCOL: tl.constexpr,
     GRID: tl.constexpr,
     NP: tl.constexpr,
@@ -316,7 +316,7 @@ def _mono_kernel(
 
     ticket = tl.atomic_add(ctl, 1, sem="relaxed", scope=SCOPE)
     sink = epoch.to(tl.float32) * 0.0
-    while ticket < NUM_TASKS:
+    while ticket < num_tasks:
         # the next ticket now: its atomic's latency hides behind this task
         nxt = tl.atomic_add(ctl, 1, sem="relaxed", scope=SCOPE)
         row = table_ptr + ticket * NCOL
@@ -470,7 +470,7 @@ def _mono_kernel(
                     else:
                         raise_counter(flags + rword, SCOPE)
         # a failed wait stops the CTA (the alarm is up: the launch is lost)
-        ticket = tl.where(ok != 0, nxt, NUM_TASKS)
+        ticket = tl.where(ok != 0, nxt, num_tasks)
 
     if spin_limit < 0:  # never: keeps the prefetch loads alive
         tl.store(health_ptr + H_SINK, sink.to(tl.int32))
