@@ -1,7 +1,12 @@
-"""The mono launch's knobs at one rank of TP8 (loopback): CTAs per SM and the
-prefetch mode, beside the staged path in the same run.
+"""The mono launch's knobs at one rank of TP8 (loopback): CTAs per SM (with a
+register cap where the build would not fit that many), and the prefetch mode,
+beside the staged path in the same run.
 
-    python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 4] [--prefetch 0 1]
+    python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
+
+``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
+(maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
+(benchmarks/resource_check.py); 168 lets 3 fit, 128 lets 4, at the cost of spills.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from k3mono.synthetic import random_shard
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--ctas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--ctas", nargs="+", default=["1", "2", "3:168", "4:128"], help="CTAs a SM[:register cap]")
     parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args()
@@ -32,12 +37,15 @@ def main() -> None:
         latency = ", ".join(f"{k} {stages[k] * 1e6:.1f}" for k in ("attnres", "route", "latent_norm"))
         print(f"T={args.tp} S={tokens:>2} staged {staged * 1e6:8.1f} us ({latency} us)", flush=True)
         for prefetch in args.prefetch:
-            for ctas in args.ctas:
+            for config in args.ctas:
+                ctas, _, cap = config.partition(":")
+                label = f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} ctas/SM {config}"
                 try:
-                    mono = time_mono(cfg, args.tp, tokens, sets, options=MonoOptions(ctas_per_sm=ctas), prefetch=prefetch)
-                    print(f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} ctas/SM {ctas}: {mono * 1e6:8.1f} us", flush=True)
+                    mono = time_mono(cfg, args.tp, tokens, sets, options=MonoOptions(ctas_per_sm=int(ctas)),
+                                     prefetch=prefetch, max_registers=int(cap) if cap else None)
+                    print(f"{label}: {mono * 1e6:8.1f} us", flush=True)
                 except RuntimeError as error:
-                    print(f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} ctas/SM {ctas}: FAIL {error}", flush=True)
+                    print(f"{label}: FAIL {error}", flush=True)
                 torch.cuda.empty_cache()
 
 

@@ -124,6 +124,7 @@ class MonoBuild:
     m1b: M1bShape | None = None  # with the m1b bit of opt (MonoOptions.m1b)
     m1c: M1cShape | None = None  # with the m1c bit of opt (MonoOptions.m1c)
     variant: tuple[str, int] | None = None  # (how, TaskKind code): planner.timing_variant, timing only
+    max_registers: int | None = None  # ptxas's cap a thread (Triton's maxnreg); None: the compiler's choice
 
     def __post_init__(self):
         if not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
@@ -132,6 +133,8 @@ class MonoBuild:
             raise K3InputError(f"prefetch: expected 0, 1 or 2, got {self.prefetch!r}")
         if self.scope not in ("gpu", "sys"):
             raise K3InputError(f"scope: expected 'gpu' or 'sys', got {self.scope!r}")
+        if self.max_registers is not None and not (isinstance(self.max_registers, int) and 24 <= self.max_registers <= 255):
+            raise K3InputError(f"max_registers: expected an integer in 24..255 or None, got {self.max_registers!r}")
 
     @property
     def options(self) -> MonoOptions:
@@ -452,8 +455,13 @@ def k2_launch(
         tuple(views(p, torch.float32) for p in peers), tuple(views(p, torch.bfloat16) for p in peers),
         tuple(views(p, torch.int32) for p in peers),
         rank, epoch, layer, health, int(alarm), len(c.table.tasks),
-        **c.consts, num_warps=4,
+        **c.consts, num_warps=4, **_register_cap(key),
     )
+
+
+def _register_cap(key: MonoBuild) -> dict:
+    """The maxnreg launch option where a cap is set (compiled builds only: the interpreter takes none)."""
+    return {} if key.max_registers is None or _interpreting() else {"maxnreg": key.max_registers}
 
 
 def launch_args(w: LayerWeights) -> dict:
@@ -689,7 +697,8 @@ def device_sms(device) -> int:
 
 
 def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool, sms: int,
-             options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH, scope: str = "gpu") -> MonoBuild:
+             options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH, scope: str = "gpu",
+             max_registers: int | None = None) -> MonoBuild:
     """The build key of a rank's launch for ``layer`` (its AttnRes candidate pad),
     the measured defaults (DEFAULT_CTAS_PER_SM, DEFAULT_PREFETCH) unless given."""
     from .kernels.attnres import num_candidates_pad
@@ -697,7 +706,7 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
     options = options or MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM)
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
-                     m1b=options.m1b, m1c=options.m1c)
+                     m1b=options.m1b, m1c=options.m1c, max_registers=max_registers)
 
 
 class MonoRunner:
@@ -718,7 +727,7 @@ class MonoRunner:
 
     def __init__(self, cfg: K3Config, shards, tokens: int, layer: int, *, device=None, loopback=None,
                  options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH,
-                 spin_limit: int | None = None, sms: int | None = None):
+                 spin_limit: int | None = None, sms: int | None = None, max_registers: int | None = None):
         from .peers import local_buffers
 
         cfg.validate_layer(layer)
@@ -731,7 +740,7 @@ class MonoRunner:
             raise K3InputError(f"device: the shards live on {shards[0].o_proj.device}, not {self.device}")
         self.loopback = self.tp > 1 if loopback is None else bool(loopback)
         self.key = mono_key(cfg, tokens, self.tp, layer, loopback=self.loopback, sms=sms or device_sms(self.device),
-                            options=options, prefetch=prefetch)
+                            options=options, prefetch=prefetch, max_registers=max_registers)
         self.compiled = build(self.key)
         spin = spin_limit if spin_limit is not None else (INTERPRET_SPIN if _interpreting() else DEFAULT_SPIN)
         buffers = local_buffers(self.tp, buffer_bytes(self.compiled.peer), self.device)

@@ -138,10 +138,11 @@ MLA_PAGE_SIZE = 64
 MLA_CONTEXT = 1024  # a build reads no lengths: any context compiles the same kernel
 
 
-def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = ""):
+def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_registers: int | None = None):
     """The mono kernel of rank 0 as the host path launches it: (compiled, grid).
     ``mla``: "" a plain layer, "m1b" M1b folded in, "m1c" M1c and M1b folded in
-    (one request a token, MLA_SPLITS splits, bf16 cache and w_v)."""
+    (one request a token, MLA_SPLITS splits, bf16 cache and w_v); ``max_registers``
+    the maxnreg cap (mono.MonoBuild)."""
     from .kernels import mono as mono_kernels
     from .mono import DEFAULT_CTAS_PER_SM, MonoRank, buffer_bytes, build, mono_key
     from .planner import M1bShape, M1cShape, MonoOptions
@@ -150,7 +151,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = ""):
     m1b = M1bShape(splits=MLA_SPLITS, latent=512) if mla else None
     m1c = M1cShape(page_size=MLA_PAGE_SIZE, requests=tokens) if mla == "m1c" else None
     options = MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, m1b=m1b, m1c=m1c)
-    key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options)
+    key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options, max_registers=max_registers)
     buffers = [torch.zeros(buffer_bytes(build(key).peer), dtype=torch.uint8) for _ in range(1 if loopback else tp)]
     rank = MonoRank(key, empty_shard(cfg, tp), 0, buffers[0], buffers, layer=LAYER, spin_limit=1, device="cpu")
     inputs = random_inputs(cfg, tokens, LAYER, seed=0)

@@ -402,6 +402,9 @@ _SM90_BUILDS = textwrap.dedent(
         compiled, _ = offline.mono_build(cfg, 8, 1, loopback=False, mla=mla)
         fits = offline.ctas_per_sm(offline.resource_usage(compiled), compiled.metadata.num_warps)
         assert fits >= DEFAULT_CTAS_PER_SM, f"mono {mla}: {fits} CTAs fit a SM, the grid is planned for {DEFAULT_CTAS_PER_SM}"
+    compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, max_registers=168)  # the cap reaches ptxas
+    usage = offline.resource_usage(compiled)
+    assert usage["registers"] <= 168 and offline.ctas_per_sm(usage, compiled.metadata.num_warps) == 3, usage
     print("ok")
     """
 )

@@ -240,3 +240,13 @@ def test_mono_rejects_more_than_16_tokens():
     runner = MonoRunner(cfg, shard_all(layer_weights(), cfg, 1), 3, 13)
     with pytest.raises(K3InputError, match="tokens"):
         runner(**random_inputs(cfg, 2, 13, seed=3))
+
+
+def test_a_register_cap_is_checked_and_changes_no_bits_under_the_interpreter():
+    cfg, tokens, layer = preset("tiny"), 1, 1
+    with pytest.raises(K3InputError, match="max_registers"):
+        MonoBuild(cfg=cfg, tokens=1, tp=1, max_registers=300)
+    shards = shard_all(layer_weights(), cfg, 1)
+    inputs = random_inputs(cfg, tokens, layer, seed=21)
+    plain = MonoRunner(cfg, shards, tokens, layer)(**inputs)
+    assert same_bits(plain, MonoRunner(cfg, shards, tokens, layer, max_registers=168)(**inputs))
