@@ -271,13 +271,15 @@ def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool 
         print(_stage_table(rows, bandwidth), flush=True)
         torch.cuda.empty_cache()
     if mla:
-        from .bench_mla import bench_m1b_fold, bench_mla
+        from .bench_mla import bench_m1b_fold, bench_mla, bench_mla_fused
 
         print("-- MLA decode: M1c and M1b, one rank of TP8", flush=True)
-        results["mla"] = bench_mla(bandwidth, device)
+        results["mla"] = bench_mla(bandwidth, device, tokens_list)
         print("-- M1b folded into the mono launch, one rank of TP8", flush=True)
         weight_sets = [random_shard(cfg, 8, seed=s, device=device) for s in range(WEIGHT_SETS)]
         results["m1b_fold"] = bench_m1b_fold(cfg, weight_sets, tokens_list, BENCH_LAYER)
+        print("-- MLA layers: separate launches, M1b folded in, M1c and M1b folded in", flush=True)
+        results["mla_fused"] = bench_mla_fused(cfg, weight_sets[0], bandwidth, BENCH_LAYER, tokens_list)
         del weight_sets
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{results['date']}-{results['commit']}"

@@ -20,7 +20,18 @@ Rows per (cache dtype, context, S), medians of CUDA-graph replays
 The fused M1b row (``bench_m1b_fold``): rank 0's mono launch of TP8 in
 loopback with M1b folded in (MonoOptions.m1b) against the plain launch on
 the same weights, at each S: the issue's "folding M1b in adds at most
-1.5 us". M1c inside the launch is not built yet.
+1.5 us".
+
+The fused MLA rows (``bench_mla_fused``), per (cache dtype, context, S),
+rank 0 of TP8 in loopback:
+
+    separate   M1c, M1b, then the plain mono launch: three launches
+    m1b        M1c, then the mono launch with M1b folded in
+    m1c        the mono launch with M1c and M1b folded in: one launch
+    floor      cache + q + every weight the layer reads, over the copy bandwidth
+
+One weight set (a TP8 rank's layer reads about 105 MB, past the 60 MB L2);
+each request's cache is read once a launch.
 """
 
 from __future__ import annotations
@@ -79,7 +90,7 @@ class MlaInputs:
 
 
 def make_inputs(tokens: int, context: int, kv_dtype: str, device, seed: int, heads: int = HEADS_TP8,
-                page_size: int = PAGE_SIZE) -> MlaInputs:
+                page_size: int = PAGE_SIZE, v_head: int = V_HEAD) -> MlaInputs:
     """S = ``tokens`` requests, each one query token over ``context`` positions."""
     g = torch.Generator(device=device).manual_seed(seed)
     dqk = LATENT_DIM + ROPE_DIM
@@ -101,8 +112,8 @@ def make_inputs(tokens: int, context: int, kv_dtype: str, device, seed: int, hea
         pages=torch.randperm(total, generator=g, device=device).to(torch.int32),
         indptr=torch.arange(tokens + 1, **int32) * per_request,
         scale=1.0 / math.sqrt(dqk),
-        w_v=(torch.randn(heads, V_HEAD, LATENT_DIM, generator=g, device=device) / math.sqrt(LATENT_DIM)).to(torch.bfloat16),
-        gate=torch.randn(tokens, heads * V_HEAD, generator=g, device=device).to(torch.bfloat16),
+        w_v=(torch.randn(heads, v_head, LATENT_DIM, generator=g, device=device) / math.sqrt(LATENT_DIM)).to(torch.bfloat16),
+        gate=torch.randn(tokens, heads * v_head, generator=g, device=device).to(torch.bfloat16),
     )
 
 
@@ -126,12 +137,12 @@ def attn_call(inputs: MlaInputs, splits: int):
     return call, o, lse
 
 
-def back_call(inputs: MlaInputs, o, lse):
-    """M1b from o and lse into a fixed core: (the call, core)."""
+def back_call(inputs: MlaInputs, o, lse, core=None):
+    """M1b from o and lse into a fixed core (a new one, or ``core``): (the call, core)."""
     from .kernels.mla_back import launch_mla_back
     from .mla import BACK_BLOCK_DV, BACK_BLOCK_K, core_like
 
-    core = core_like(inputs.gate)
+    core = core_like(inputs.gate) if core is None else core
 
     def call():
         launch_mla_back(o, lse, inputs.w_v, inputs.gate, core, block_k=BACK_BLOCK_K, block_dv=BACK_BLOCK_DV)
@@ -247,4 +258,82 @@ def bench_m1b_fold(cfg, weight_sets: list, tokens_list, layer: int) -> list[dict
                      "m1b_adds_us": 1e6 * (fused - plain)})
         print(f"S={tokens:>2}: mono {1e6 * plain:8.1f} us, with M1b folded in {1e6 * fused:8.1f} us "
               f"(+{1e6 * (fused - plain):.1f} us)", flush=True)
+    return rows
+
+
+def mla_layer_inputs(cfg, tokens: int, context: int, kv_dtype: str, tp: int, device, seed: int) -> tuple[dict, dict]:
+    """One rank's (m1c_in, m1b_in without o / lse) for S one-token requests of ``context``
+    positions: the inputs of an MLA layer's launch with M1c folded in."""
+    attn = make_inputs(tokens, context, kv_dtype, device, seed, heads=cfg.num_attention_heads // tp,
+                       v_head=cfg.v_head_dim)
+    m1c_in = dict(q=attn.q, kv=attn.kv, kv_scale=attn.kv_scale, qsl=attn.qsl, seq_lens=attn.seq_lens,
+                  pages=attn.pages, indptr=attn.indptr, scale=attn.scale)
+    return m1c_in, dict(w_v=attn.w_v, w_v_scale=1.0, gate=attn.gate)
+
+
+def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shard, layer: int) -> dict:
+    """The three ways to run one MLA layer of rank 0 (loopback), as calls on
+    loaded runners: {"separate", "m1b", "m1c"} -> call. Rank 0's inputs are every
+    rank's (the loopback pre-writes come from the same staged chain)."""
+    import dataclasses
+
+    from .mono import DEFAULT_CTAS_PER_SM, MonoRunner
+    from .planner import M1bShape, M1cShape, MonoOptions
+    from .synthetic import random_inputs
+
+    device = shard.o_proj.device
+    ranks = [dataclasses.replace(shard, rank=r) for r in range(tp)]
+    act = {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=7).items()}
+    m1c_in, back_in = mla_layer_inputs(cfg, tokens, context, kv_dtype, tp, device, seed=11)
+    m1b = M1bShape(splits=FOLD_SPLITS, latent=LATENT_DIM)
+    m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens, kv_fp8=kv_dtype == "fp8")
+    attn = MlaInputs(gate=back_in["gate"], w_v=back_in["w_v"], **m1c_in)
+    attend, o, lse = attn_call(attn, FOLD_SPLITS)
+    attend()  # the split outputs the m1b runner's M1b reads
+    staged_back, core = back_call(attn, o, lse)
+    staged_back()
+    plain = MonoRunner(cfg, ranks, tokens, layer, options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM))
+    plain.load_inputs(core.repeat(1, tp), act["prefix"], act["blocks"])  # every rank's heads see rank 0's inputs
+    back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
+    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, m1b=m1b))
+    folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
+    folded_c = MonoRunner(cfg, ranks, tokens, layer,
+                          options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, m1b=m1b, m1c=m1c))
+    folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
+    return {
+        "separate": lambda: (attend(), back(), plain.launch(0)),
+        "m1b": lambda: (attend(), folded_b.launch(0)),
+        "m1c": lambda: folded_c.launch(0),
+        "runners": (plain, folded_b, folded_c),
+        "shapes": (m1b, m1c),
+    }
+
+
+def bench_mla_fused(cfg, shard, bandwidth: float, layer: int, tokens_list=TOKENS, contexts=CONTEXTS,
+                    kv_dtypes=KV_DTYPES) -> list[dict]:
+    """Per (cache dtype, context, S): the separate, M1b-folded and M1c-folded launches (us) and the floor."""
+    from .floor import floor_bytes
+    from .timing import time_graph
+
+    rows = []
+    for kv_dtype in kv_dtypes:
+        for context in contexts:
+            for tokens in tokens_list:
+                calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer)
+                m1b, m1c = calls["shapes"]
+                floor = floor_bytes(cfg, shard.tp, tokens, m1b=m1b, m1c=m1c, context=tokens * context,
+                                    nblocks=cfg.num_blocks(layer))
+                row = {"kv": kv_dtype, "context": context, "tokens": tokens,
+                       "floor_us": 1e6 * floor["total"] / bandwidth}
+                for name in ("separate", "m1b", "m1c"):
+                    row[f"{name}_us"] = 1e6 * time_graph([calls[name]])
+                torch.cuda.synchronize()
+                for runner in calls["runners"]:
+                    runner.check_health()
+                rows.append(row)
+                print(f"{kv_dtype:>4} ctx {context:>6} S={tokens:>2}: floor {row['floor_us']:8.1f}  separate "
+                      f"{row['separate_us']:8.1f}  M1b folded {row['m1b_us']:8.1f}  M1c+M1b folded {row['m1c_us']:8.1f} us",
+                      flush=True)
+                del calls
+                torch.cuda.empty_cache()
     return rows

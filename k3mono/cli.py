@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     bench.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     bench.add_argument("--tp", type=int, nargs="+", default=[8, 1], help="tables: 8 = one rank of TP8, 1 = whole layer")
-    bench.add_argument("--mla", action="store_true", help="also the MLA decode rows (M1c, M1b) at 1 K, 32 K, 128 K contexts")
+    bench.add_argument("--mla", action="store_true", help="also the MLA rows (M1c, M1b; separate against folded in) at 1 K, 32 K, 128 K contexts, per --tokens")
 
     plan = sub.add_parser("plan", help="print the mono launch's task table for one rank")
     plan.add_argument("--tokens", type=int, required=True, help="S, tokens of the launch")

@@ -326,3 +326,23 @@ def test_bench_m1b_runners_run_rank_0_with_m1b_folded_in():
     runner.launch(0)
     runner.check_health()
     assert torch.isfinite(runner.result(0).moe_out.float()).all()
+
+
+def test_bench_fused_mla_calls_run_the_three_ways_to_the_same_outputs():
+    """What bench --mla times for an MLA layer: M1c, M1b and the plain launch
+    separately; M1c then the launch with M1b folded in; the launch with both
+    folded in. Run once each under the interpreter: the same bits out."""
+    from k3mono.bench_mla import mla_fused_calls
+    from k3mono.config import preset
+    from k3mono.synthetic import random_shard
+
+    cfg = preset("tiny")
+    calls = mla_fused_calls(cfg, 2, 2, 70, "fp8", random_shard(cfg, 2, seed=0, device="cpu"), layer=13)
+    outs = []
+    for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
+        runner.poison()
+        calls[name]()
+        runner.check_health()
+        outs.append(runner.result(0).moe_out)
+    assert torch.isfinite(outs[0].float()).all()
+    assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
