@@ -29,7 +29,8 @@ nvidia-smi -L
 for s in $STEPS; do
     case $s in
     check)
-        step gpu_check 240 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 16 ;;
+        step gpu_check 240 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 16
+        step gpu_check_mla 300 python3 benchmarks/gpu_check_mla.py --tokens 1 4 ;;
     ranks)
         step ranks_green_t8 150 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --replays 100 --out "$RESULTS"
         step ranks_green_t8_s16 120 python3 -m k3mono ranks --tp 8 --tokens 16 --mode green --replays 100 --out "$RESULTS"

@@ -1,0 +1,103 @@
+"""MLA correctness at the released dims (one TP8 rank: 12 heads, DQK 576, DL 512,
+DV 128), bf16 and fp8 caches, contexts of 1 K, 32 K and 128 K positions:
+
+* staged M1c then M1b (k3mono.mla.mla_decode) against the float64 reference
+  chain, within BUDGET_FACTOR times the bf16 reference's own error; then the
+  two launches captured in a CUDA graph and replayed 3 times: the same bits;
+* an MLA layer three ways (bench_mla.mla_fused_calls: M1c, M1b and the launch
+  separately; M1b folded in; M1c and M1b folded in; rank 0 of TP8 in
+  loopback), outputs poisoned first: the same bits, no NaN, no timeout.
+
+    python benchmarks/gpu_check_mla.py [--tokens 1 4] [--contexts 1024 32768 131072] [--device cuda]
+
+``--device cpu`` runs the same under the Triton interpreter (small contexts
+only). Prints one line per case and exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def staged_case(tokens: int, context: int, kv_dtype: str, device) -> bool:
+    from k3mono import mla
+    from k3mono.bench_mla import FOLD_SPLITS, make_inputs
+    from k3mono.reference import mla as ref
+    from k3mono.runner import BUDGET_FACTOR, rel_err
+
+    x = make_inputs(tokens, context, kv_dtype, device, seed=context + tokens)
+    args = (x.q, x.kv, x.qsl, x.seq_lens, x.pages, x.indptr, x.scale, x.w_v, x.gate)
+    core = mla.mla_decode(*args, kv_scale=x.kv_scale, splits=FOLD_SPLITS)
+    want = ref.mla_decode(*args, FOLD_SPLITS, kv_scale=x.kv_scale, mode="bf16")
+    exact = ref.mla_decode(*args, FOLD_SPLITS, kv_scale=x.kv_scale, mode="oracle")
+    err, budget = rel_err(core, exact), BUDGET_FACTOR * rel_err(want, exact)
+    replays_same = True
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = mla.mla_decode(*args, kv_scale=x.kv_scale, splits=FOLD_SPLITS)
+        for _ in range(3):
+            replayed.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            replays_same &= torch.equal(replayed.view(torch.int16), core.view(torch.int16))
+    ok = err <= budget and replays_same and bool(torch.isfinite(core.float()).all())
+    print(f"staged M1c+M1b {kv_dtype:>4} ctx {context:>6} S={tokens:>2}: core err {err:.2e} (budget {budget:.2e}) "
+          f"replays {'same' if replays_same else 'DIFFER'} {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str) -> bool:
+    from k3mono.bench_mla import mla_fused_calls
+
+    calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13)
+    outs, problem = [], None
+    for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
+        runner.poison()
+        calls[name]()
+        try:
+            if shard.o_proj.device.type == "cuda":
+                torch.cuda.synchronize()
+            runner.check_health()
+        except RuntimeError as error:
+            problem = f"{name}: {error}"
+        outs.append(runner.result(0).moe_out)
+    same = all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
+    ok = problem is None and same and bool(torch.isfinite(outs[0].float()).all())
+    print(f"MLA layer three ways {kv_dtype:>4} ctx {context:>6} S={tokens:>2}: "
+          f"{'same bits' if same else 'DIFFER'} {problem or ''} {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768, 131072])
+    parser.add_argument("--kv", nargs="+", default=["fp8", "bf16"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--preset", default="kimi-k3")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from k3mono.config import preset
+    from k3mono.synthetic import random_shard
+
+    device = torch.device(args.device)
+    cfg = preset(args.preset)
+    shard = random_shard(cfg, 8 if cfg.num_attention_heads % 8 == 0 else 2, seed=5, device=device)
+    failures, started = 0, time.time()
+    for kv_dtype in args.kv:
+        for context in args.contexts:
+            for tokens in args.tokens:
+                failures += not staged_case(tokens, context, kv_dtype, device)
+                failures += not fused_case(cfg, shard, tokens, context, kv_dtype)
+    print(f"gpu_check_mla: {'all ok' if not failures else f'{failures} FAILED'} ({time.time() - started:.0f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
