@@ -337,7 +337,7 @@ def test_bench_fused_mla_calls_run_the_three_ways_to_the_same_outputs():
     from k3mono.synthetic import random_shard
 
     cfg = preset("tiny")
-    calls = mla_fused_calls(cfg, 2, 2, 70, "fp8", random_shard(cfg, 2, seed=0, device="cpu"), layer=13)
+    calls = mla_fused_calls(cfg, 1, 2, 70, "fp8", random_shard(cfg, 1, seed=0, device="cpu"), layer=13)
     outs = []
     for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
         runner.poison()
