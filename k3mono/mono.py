@@ -117,7 +117,7 @@ class MonoBuild:
     opt: int = 0  # planner option bits (MonoOptions.bits)
     cands: int = 2  # AttnRes candidates, padded to a power of two
     loopback: bool = False
-    sms: int = 1  # the grid is planned for this many SMs (1: the interpreter's one program)
+    sms: int = 1  # the grid is planned for this many SMs (1 under the interpreter: device_sms)
     ctas_per_sm: int = 1
     prefetch: int = DEFAULT_PREFETCH  # 0 never, 1 when a wait would block, 2 always
     scope: str = "gpu"
@@ -237,7 +237,9 @@ def build(key: MonoBuild) -> Compiled:
     scratch_lay = scratch_layout(cfg, T, S, g.m1c)
     scratch = _scratch_regions(scratch_lay)
     half = peer["parity1"][0]
-    grid = 1 if _interpreting() else table.ctas
+    # The interpreter runs programs one after another: the first walks the whole
+    # table, the rest find no ticket left and only count themselves out.
+    grid = table.ctas
 
     def elems(offset: int, itemsize: int) -> int:
         assert offset % itemsize == 0

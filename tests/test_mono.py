@@ -250,3 +250,19 @@ def test_a_register_cap_is_checked_and_changes_no_bits_under_the_interpreter():
     inputs = random_inputs(cfg, tokens, layer, seed=21)
     plain = MonoRunner(cfg, shards, tokens, layer)(**inputs)
     assert same_bits(plain, MonoRunner(cfg, shards, tokens, layer, max_registers=168)(**inputs))
+
+
+def test_any_grid_completes_and_the_last_cta_out_resets_the_counters():
+    """Grids of 1, 7 and 100 CTAs (under the interpreter the first program walks
+    the table, the others find no ticket): the same bits, the ticket and CTA
+    counters back at zero, the epoch advanced by one."""
+    cfg, tokens, layer = preset("tiny"), 2, 13
+    shards = shard_all(layer_weights(), cfg, 1)
+    inputs = random_inputs(cfg, tokens, layer, seed=31)
+    results = []
+    for sms in (1, 7, 100):
+        runner = MonoRunner(cfg, shards, tokens, layer, sms=sms, options=MonoOptions(ctas_per_sm=1))
+        assert runner.compiled.grid == min(sms, len(runner.compiled.table.tasks))
+        results.append(runner(**inputs))
+        assert runner.ctl(0).tolist() == [0, 0] and runner.epoch(0) == 2
+    assert all(same_bits(results[0], other) for other in results[1:])
