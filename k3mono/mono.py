@@ -490,7 +490,7 @@ class MonoRank:
     loopback only ``[own]``), its own buffer ``own`` among them.
 
     A rank is what one process of an engine holds; ``MonoRunner`` holds T of
-    them on one device, ``ranks.run_mono_rank`` one per spawned process.
+    them on one device, ``rankjob.mono_rank_worker`` one per spawned process.
     After a timeout the rank is broken (flags and epoch words no longer
     agree): ``reset()`` zeroes them, on every rank of the group at once."""
 

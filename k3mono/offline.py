@@ -133,56 +133,35 @@ def empty_shard(cfg, tp: int):
     return LayerWeights(tp=tp, rank=0, **tensors)
 
 
-MLA_SPLITS = 16
-MLA_PAGE_SIZE = 64
 MLA_CONTEXT = 1024  # a build reads no lengths: any context compiles the same kernel
 
 
 def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_registers: int | None = None):
     """The mono kernel of rank 0 as the host path launches it: (compiled, grid).
     ``mla``: "" a plain layer, "m1b" M1b folded in, "m1c" M1c and M1b folded in
-    (one request a token, MLA_SPLITS splits, bf16 cache and w_v); ``max_registers``
-    the maxnreg cap (mono.MonoBuild)."""
+    (bench_mla's inputs: one request a token, its splits and page size, bf16 cache
+    and w_v); ``max_registers`` the maxnreg cap (mono.MonoBuild)."""
+    from .bench_mla import FOLD_SPLITS, PAGE_SIZE, m1b_inputs, mla_layer_inputs
     from .kernels import mono as mono_kernels
     from .mono import DEFAULT_CTAS_PER_SM, MonoRank, buffer_bytes, build, mono_key
     from .planner import M1bShape, M1cShape, MonoOptions
     from .synthetic import random_inputs
 
-    m1b = M1bShape(splits=MLA_SPLITS, latent=512) if mla else None
-    m1c = M1cShape(page_size=MLA_PAGE_SIZE, requests=tokens) if mla == "m1c" else None
+    m1b = M1bShape(splits=FOLD_SPLITS, latent=512) if mla else None
+    m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens) if mla == "m1c" else None
     options = MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, m1b=m1b, m1c=m1c)
     key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options, max_registers=max_registers)
     buffers = [torch.zeros(buffer_bytes(build(key).peer), dtype=torch.uint8) for _ in range(1 if loopback else tp)]
     rank = MonoRank(key, empty_shard(cfg, tp), 0, buffers[0], buffers, layer=LAYER, spin_limit=1, device="cpu")
     inputs = random_inputs(cfg, tokens, LAYER, seed=0)
-    if mla:
-        m1b_in, m1c_in = _mla_inputs(cfg, tp, tokens, mla)
+    if mla == "m1b":
+        rank.load_m1b_inputs(m1b_inputs(cfg, tokens, tp, "cpu", seed=0), inputs["prefix"], inputs["blocks"])
+    elif mla == "m1c":
+        m1c_in, m1b_in = mla_layer_inputs(cfg, tokens, MLA_CONTEXT, "bf16", tp, "cpu", seed=0)
         rank.load_m1b_inputs(m1b_in, inputs["prefix"], inputs["blocks"], m1c_in=m1c_in)
     else:
         rank.load_inputs(**inputs)
     return build_launch(mono_kernels._mono_kernel, rank.launch)
-
-
-def _mla_inputs(cfg, tp: int, tokens: int, mla: str) -> tuple[dict, dict | None]:
-    """(m1b_in, m1c_in) of the right shapes and dtypes (a build reads no values)."""
-    heads, dv, bf16 = cfg.num_attention_heads // tp, cfg.v_head_dim, torch.bfloat16
-    m1b_in = dict(w_v=torch.zeros(heads, dv, 512, dtype=bf16), w_v_scale=1.0, gate=torch.zeros(tokens, heads * dv, dtype=bf16))
-    if mla == "m1b":
-        o, lse = torch.zeros(MLA_SPLITS, tokens, heads, 512), torch.zeros(MLA_SPLITS, tokens, heads)
-        return dict(m1b_in, o=o, lse=lse), None
-    pages_a_request = MLA_CONTEXT // MLA_PAGE_SIZE
-    int32 = dict(dtype=torch.int32)
-    m1c_in = dict(
-        q=torch.zeros(tokens, heads, 576, dtype=bf16),
-        kv=torch.zeros(tokens * pages_a_request, MLA_PAGE_SIZE, 576, dtype=bf16),
-        kv_scale=1.0,
-        qsl=torch.arange(tokens + 1, **int32),
-        seq_lens=torch.full((tokens,), MLA_CONTEXT, **int32),
-        pages=torch.arange(tokens * pages_a_request, **int32),
-        indptr=torch.arange(tokens + 1, **int32) * pages_a_request,
-        scale=0.04,
-    )
-    return m1b_in, m1c_in
 
 
 def expert_builds(cfg, tp: int, tokens: int):
