@@ -5,20 +5,28 @@
 #
 #   K3MONO_COMMIT=<hash> bash benchmarks/device_session.sh [steps...]
 #
-# Steps (default: all one-GPU steps, in this order): check ranks bench variants mla sweep;
-# on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path)
+# Steps (default: all one-GPU steps, in this order): check ranks mla_check bench variants mla sweep;
+# on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
+# K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
+# so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/k3mono-out}"
 RESULTS="$OUT/results"
 mkdir -p "$RESULTS"
-STEPS="${*:-check ranks bench variants mla sweep}"
+STEPS="${*:-check ranks mla_check bench variants mla sweep}"
+BUDGET_S="${K3MONO_BUDGET_S:-560}"
 
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its tail
     local name=$1 limit=$2
     shift 2
-    local started=$SECONDS
+    local started=$SECONDS left=$((BUDGET_S - SECONDS))
+    if ((left < 20)); then
+        echo "== $name: skipped, session budget spent"
+        return
+    fi
+    ((limit > left)) && limit=$left
     timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
     local rc=$?
     echo "== $name: rc $rc, $((SECONDS - started)) s" | tee -a "$OUT/$name.txt"
@@ -29,7 +37,8 @@ nvidia-smi -L
 for s in $STEPS; do
     case $s in
     check)
-        step gpu_check 240 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 16
+        step gpu_check 300 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 16 ;;
+    mla_check)
         step gpu_check_mla 300 python3 benchmarks/gpu_check_mla.py --tokens 1 4 ;;
     ranks)
         step ranks_green_t8 150 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --replays 100 --out "$RESULTS"
@@ -53,3 +62,5 @@ for s in $STEPS; do
         echo "unknown step $s" ;;
     esac
 done
+tar czf /tmp/k3mono-session.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && \
+    mv /tmp/k3mono-session.tar.gz "$OUT/session.tar.gz"

@@ -4,12 +4,19 @@ random inputs, outputs poisoned before each run, routes compared exactly with
 the bf16 reference, every rank's copy compared bit for bit.
 
     python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
+                                   [--grids 132 100 66 1] [--occupy-sms 66]
 
 The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
 T = 8 with every rank in loopback) eagerly, then captures the T launches in
 one CUDA graph and replays it 3 times, fresh inputs copied into the same
 input buffers before each replay (no other host work: the launch resets its
 ticket counter and advances its epoch itself; parities alternate).
+
+The grid section runs one rank of TP8 in loopback at S = 1 with grids of the
+given CTA counts (one CTA a SM planned for that many SMs; the grid of 1 walks
+the whole table alone), and once with a spinning kernel holding --occupy-sms
+SMs on another stream while the launch starts: tickets are taken by resident
+CTAs only, so neither may change a bit of the outputs or hang.
 
 Prints one line per case and exits non-zero on any failure.
 """
@@ -21,15 +28,28 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from k3mono.config import preset
-from k3mono.mono import MonoRunner
+from k3mono.mono import DEFAULT_CTAS_PER_SM, MonoRunner, device_sms
+from k3mono.planner import MonoOptions
 from k3mono.runner import Oracle
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_shard
 from k3mono.weights import shard_all
 
 LAYER = 25
+OCCUPY_SPIN_STEPS = 1 << 22  # about a millisecond of dependent FMAs: longer than the launch
+
+
+@triton.jit
+def _occupy_kernel(sink_ptr,  # [programs] fp32: keeps the loop from being folded away
+                   STEPS: tl.constexpr):
+    acc = tl.program_id(0).to(tl.float32)
+    for _ in range(STEPS):
+        acc = acc * 0.999 + 1.0
+    tl.store(sink_ptr + tl.program_id(0), acc)
 
 
 def same_on_every_rank(results) -> bool:
@@ -98,12 +118,42 @@ def mono_case(cfg, full, shards, tp: int, tokens: int, device) -> int:
     return failures
 
 
+def grid_case(cfg, shards, ctas: int, occupy_sms: int, device) -> int:
+    """One rank of TP8 in loopback at S = 1 on a grid of ``ctas`` CTAs, optionally
+    while a spinning kernel holds ``occupy_sms`` SMs; judged against the default
+    grid's outputs bit for bit. Returns the number of failures."""
+    started = time.time()
+    inputs = {k: v.to(device) for k, v in random_inputs(cfg, 1, LAYER, seed=4242).items()}
+    reference = MonoRunner(cfg, shards, 1, LAYER)
+    expected = reference.layer_post(inputs["core"], inputs["prefix"], inputs["blocks"])
+    runner = MonoRunner(cfg, shards, 1, LAYER, sms=ctas, options=MonoOptions(ctas_per_sm=1))
+    label = f"grid {runner.compiled.grid:>3} CTAs" + (f" beside a kernel on {occupy_sms} SMs" if occupy_sms else "")
+    try:
+        if occupy_sms:
+            side = torch.cuda.Stream(device)
+            sink = torch.empty(occupy_sms, device=device)
+            with torch.cuda.stream(side):
+                _occupy_kernel[(occupy_sms,)](sink, STEPS=OCCUPY_SPIN_STEPS)
+        got = runner.layer_post(inputs["core"], inputs["prefix"], inputs["blocks"])
+        torch.cuda.synchronize()
+        same = all(torch.equal(getattr(got, name).view(torch.int16), getattr(expected, name).view(torch.int16))
+                   for name in ("moe_out", "prefix")) and torch.equal(got.route_ids, expected.route_ids)
+        verdict = "same bits as the default grid ok" if same else "DIFFERS from the default grid FAIL"
+    except RuntimeError as error:
+        same, verdict = False, f"FAIL {error}"
+    print(f"mono T={runner.tp} S= 1 {label}: {verdict} ({time.time() - started:.0f} s)", flush=True)
+    del runner, reference
+    return 0 if same else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
+    parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
+    parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     device = torch.device("cuda")
@@ -132,6 +182,11 @@ def main() -> int:
         if not args.skip_mono:
             for tokens in args.tokens:
                 failures += mono_case(cfg, full, shards, tp, tokens, device)
+        if tp == 8:
+            for ctas in args.grids:
+                failures += grid_case(cfg, shards, ctas, 0, device)
+            if args.occupy_sms:
+                failures += grid_case(cfg, shards, device_sms(device) * DEFAULT_CTAS_PER_SM, args.occupy_sms, device)
         del shards
         torch.cuda.empty_cache()
     print("gpu_check: all ok" if not failures else f"gpu_check: {failures} FAILED")

@@ -246,7 +246,7 @@ def build(key: MonoBuild) -> Compiled:
         return offset // itemsize
 
     consts = dict(
-        NCOL=len(COL), GRID=grid,
+        NCOL=len(COL),
         NP=1 if key.loopback else T, T=T, S=S, SP=g.tokens_pad, H=H, C_R=C // T, E=E, E_R=E // T,
         E_PAD=next_pow2(E), KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
         USE_DOT=g.use_dot, UPCAST=common.UPCAST_DOT,

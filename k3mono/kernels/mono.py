@@ -219,7 +219,6 @@ def _mono_kernel(
     spin_limit,  # polls a wait may take
     num_tasks,  # rows of the table (not a constexpr: a timing variant's table reuses the build)
     NCOL: tl.constexpr,
-    GRID: tl.constexpr,
     NP: tl.constexpr,
     T: tl.constexpr,
     S: tl.constexpr,
@@ -476,7 +475,7 @@ def _mono_kernel(
         tl.store(health_ptr + H_SINK, sink.to(tl.int32))
     # the last CTA out resets the ticket counter and advances the epoch
     done = tl.atomic_add(ctl + 1, 1, sem="acq_rel", scope=SCOPE)
-    if done == GRID - 1:
+    if done == tl.num_programs(0) - 1:
         tl.atomic_xchg(ctl, 0, sem="relaxed", scope=SCOPE)
         tl.atomic_xchg(ctl + 1, 0, sem="relaxed", scope=SCOPE)
         tl.atomic_xchg(epoch_ptr, epoch + 1, sem="release", scope=SCOPE)
