@@ -1,8 +1,10 @@
 """The mono launch's knobs at one rank of TP8 (loopback): CTAs per SM (with a
-register cap where the build would not fit that many), and the prefetch mode,
-beside the staged path in the same run.
+register cap where the build would not fit that many), the prefetch mode and
+the dense GEMV step (KB of weight a task loads a step), beside the staged path
+in the same run.
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
+                                    [--dense-step-kb 8 16 32]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
 (maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
@@ -12,6 +14,7 @@ beside the staged path in the same run.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -26,6 +29,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--ctas", nargs="+", default=["1", "2", "3:168", "4:128"], help="CTAs a SM[:register cap]")
     parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--dense-step-kb", type=int, nargs="+", default=[8])
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args()
     cfg = preset("kimi-k3")
@@ -36,17 +40,17 @@ def main() -> None:
         del layers
         latency = ", ".join(f"{k} {stages[k] * 1e6:.1f}" for k in ("attnres", "route", "latent_norm"))
         print(f"T={args.tp} S={tokens:>2} staged {staged * 1e6:8.1f} us ({latency} us)", flush=True)
-        for prefetch in args.prefetch:
-            for config in args.ctas:
-                ctas, _, cap = config.partition(":")
-                label = f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} ctas/SM {config}"
-                try:
-                    mono = time_mono(cfg, args.tp, tokens, sets, options=MonoOptions(ctas_per_sm=int(ctas)),
-                                     prefetch=prefetch, max_registers=int(cap) if cap else None)
-                    print(f"{label}: {mono * 1e6:8.1f} us", flush=True)
-                except RuntimeError as error:
-                    print(f"{label}: FAIL {error}", flush=True)
-                torch.cuda.empty_cache()
+        for prefetch, config, step_kb in itertools.product(args.prefetch, args.ctas, args.dense_step_kb):
+            ctas, _, cap = config.partition(":")
+            label = f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} ctas/SM {config} dense step {step_kb} KB"
+            try:
+                options = MonoOptions(ctas_per_sm=int(ctas), dense_step_kb=step_kb)
+                mono = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch,
+                                 max_registers=int(cap) if cap else None)
+                print(f"{label}: {mono * 1e6:8.1f} us", flush=True)
+            except RuntimeError as error:
+                print(f"{label}: FAIL {error}", flush=True)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -58,6 +58,14 @@ FMA_TILE = (8, 512)
 DOT_TILE = (16, 256)
 """(rows, block_k) of a dense GEMV task on the tl.dot path: 8 KB of bf16 weight a step."""
 
+DENSE_STEP_KB = 8
+DENSE_STEP_KB_CHOICES = (8, 16, 32)
+"""KB of bf16 weight a dense GEMV tile loads a step (FMA_TILE and DOT_TILE);
+the mono launch may widen it (MonoOptions.dense_step_kb): with only 2 CTAs a
+SM resident (the persistent kernel's registers) it keeps 2 steps in flight an
+SM, half of the ~32 KB HBM latency wants, and the o_proj's K = C/T = 1536 at
+T = 8 is only 3 steps of 512, each a full memory round trip."""
+
 
 BACK_BLOCK_DV = 64
 """Value rows of one head an M1b task (or program) produces: 2 a head, 24 tasks
@@ -221,18 +229,22 @@ def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4) ->
     return GemvTile(rows=min(rows, next_pow2(out_dim)), block_k=min(block_k, next_pow2(in_dim)), warps=warps)
 
 
-def _dense(out_dim: int, in_dim: int, use_dot: bool) -> GemvTile:
-    """A dense bf16 GEMV tile for the path ``use_dot`` selects."""
+def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int) -> GemvTile:
+    """A dense bf16 GEMV tile for the path ``use_dot`` selects, its step widened
+    along K to ``step_kb`` KB of weight."""
+    widen = step_kb // DENSE_STEP_KB
     if not use_dot:
-        return _gemv(FMA_TILE[0], out_dim, in_dim, FMA_TILE[1])
-    tile = _gemv(DOT_TILE[0], out_dim, in_dim, DOT_TILE[1])
+        return _gemv(FMA_TILE[0], out_dim, in_dim, FMA_TILE[1] * widen)
+    tile = _gemv(DOT_TILE[0], out_dim, in_dim, DOT_TILE[1] * widen)
     return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
 
 
 def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = None,
-                   m1c: M1cShape | None = None) -> StageGeometry:
+                   m1c: M1cShape | None = None, dense_step_kb: int = DENSE_STEP_KB) -> StageGeometry:
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"stage_geometry: tokens must be 1..{MAX_TOKENS}, got {tokens}")
+    if dense_step_kb not in DENSE_STEP_KB_CHOICES:
+        raise K3InputError(f"dense_step_kb: expected one of {DENSE_STEP_KB_CHOICES}, got {dense_step_kb!r}")
     H, C, E, L = cfg.hidden_size, cfg.core_width, cfg.num_experts, cfg.routed_expert_hidden_size
     I, SI = cfg.moe_intermediate_size, cfg.shared_intermediate
     use_dot = tokens > FMA_MAX_TOKENS
@@ -240,11 +252,11 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
-        oproj=_dense(H, C // tp, use_dot),
-        router=_dense(E // tp, H, use_dot),
-        latent_down=_dense(L // tp, H, use_dot),
-        shared_gate_up=_dense(SI // tp, H, use_dot),
-        final=_dense(H, max(L, SI) // tp, use_dot),
+        oproj=_dense(H, C // tp, use_dot, dense_step_kb),
+        router=_dense(E // tp, H, use_dot, dense_step_kb),
+        latent_down=_dense(L // tp, H, use_dot, dense_step_kb),
+        shared_gate_up=_dense(SI // tp, H, use_dot, dense_step_kb),
+        final=_dense(H, max(L, SI) // tp, use_dot, dense_step_kb),
         # MXFP4 tiles [groups, rows] (kernels/experts.py): 16 groups put 16 lanes on
         # consecutive 16-byte groups of a row and the 4 warps on rows, so each
         # thread keeps one group column over rows / 8 rows and reuses its
@@ -397,12 +409,16 @@ class MonoOptions:
     One program of the GEMV geometry keeps one tile step (8 KB) in flight and an
     SM wants about 32 KB, so more than one may pay; the benchmark decides. It
     never risks a deadlock: a CTA that is not resident holds no ticket.
+    dense_step_kb (a build-key part, not in ``bits()``): KB of weight a dense
+    GEMV task loads a step (DENSE_STEP_KB; 16 or 32 widen the step along K,
+    so a resident CTA keeps more in flight for the same registers' worth of CTAs).
     """
 
     prefetch_final: bool = False
     ctas_per_sm: int = 1
     m1b: M1bShape | None = None
     m1c: M1cShape | None = None
+    dense_step_kb: int = DENSE_STEP_KB
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
@@ -410,14 +426,15 @@ class MonoOptions:
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
-                  m1c: M1cShape | None = None) -> "MonoOptions":
+                  m1c: M1cShape | None = None, dense_step_kb: int = DENSE_STEP_KB) -> "MonoOptions":
         if bits & ~OPT_ALL:
             raise K3InputError(f"options: unknown option bits {bits & ~OPT_ALL:#x}")
         if bool(bits & OPT_M1B) != (m1b is not None):
             raise K3InputError(f"options: the m1b bit and the M1b shape go together, got bits {bits:#x} and {m1b}")
         if bool(bits & OPT_M1C) != (m1c is not None):
             raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
-        return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c)
+        return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
+                   dense_step_kb=dense_step_kb)
 
 
 @dataclass(frozen=True)
@@ -993,6 +1010,9 @@ def _validate(cfg: K3Config, tp: int, tokens: int, sms: int, options) -> None:
         raise K3InputError(f"options: expected MonoOptions, got {type(options).__name__}")
     if not is_int(options.ctas_per_sm) or options.ctas_per_sm < 1:
         raise K3InputError(f"options.ctas_per_sm: expected a positive integer, got {options.ctas_per_sm!r}")
+    if options.dense_step_kb not in DENSE_STEP_KB_CHOICES:
+        raise K3InputError(f"options.dense_step_kb: expected one of {DENSE_STEP_KB_CHOICES}, "
+                           f"got {options.dense_step_kb!r}")
     if options.m1b is not None:
         _validate_m1b(cfg, options.m1b)
     if options.m1c is not None:
@@ -1032,7 +1052,7 @@ def plan(cfg: K3Config, tp: int, tokens: int, sms: int, options: MonoOptions | N
     """The task table of one rank's mono launch (every rank runs the same one)."""
     options = MonoOptions() if options is None else options
     _validate(cfg, tp, tokens, sms, options)
-    geometry = stage_geometry(cfg, tp, tokens, options.m1b, options.m1c)
+    geometry = stage_geometry(cfg, tp, tokens, options.m1b, options.m1c, options.dense_step_kb)
     planner = _Planner(cfg, tp, tokens, geometry, options)
     tasks = _ticketed(planner.in_table_order())
     _check_invariant(tasks)

@@ -28,6 +28,7 @@ from k3mono.planner import (
     Raise,
     TaskKind,
     plan,
+    stage_geometry,
     tiles,
 )
 
@@ -618,3 +619,27 @@ def test_cli_plan_bad_value_is_one_line_and_exit_2(args, message, capsys):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("k3mono: error:") and message in lines[0]
+
+
+def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
+    """MonoOptions.dense_step_kb doubles or quadruples a dense task's K step
+    (never past the input width rounded up to a power of two), keeps its rows,
+    and still streams every weight byte once."""
+    cfg = preset("kimi-k3")
+    T, H = 8, cfg.hidden_size
+    in_dims = {"oproj": cfg.core_width // T, "router": H, "latent_down": H, "shared_gate_up": H,
+               "final": max(cfg.routed_expert_hidden_size, cfg.shared_intermediate) // T}
+    for tokens in (1, 8):
+        base = stage_geometry(cfg, T, tokens)
+        for kb in (16, 32):
+            wide = stage_geometry(cfg, T, tokens, dense_step_kb=kb)
+            for stage, k in in_dims.items():
+                b, w = getattr(base, stage), getattr(wide, stage)
+                assert w.rows == b.rows, stage
+                assert w.block_k == min(b.block_k * kb // 8, 1 << (k - 1).bit_length()), stage
+            table = plan(cfg, T, tokens, 132, MonoOptions(dense_step_kb=kb))
+            streamed = lambda t: sorted(s for task in t.tasks for s in task.streams)  # noqa: E731
+            assert streamed(table) == streamed(plan(cfg, T, tokens, 132))
+    assert stage_geometry(cfg, T, 1, dense_step_kb=32).oproj.block_k == 2048  # K = C/T = 1536: one step
+    with pytest.raises(K3InputError, match="dense_step_kb"):
+        plan(cfg, T, 1, 132, MonoOptions(dense_step_kb=12))
