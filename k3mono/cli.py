@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .config import PRESETS
 from .errors import K3InputError
+from .planner import DENSE_STEP_KB
 from .validate import check_tokens
 
 CHECK_PRESET = "tiny"
@@ -61,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nblocks", type=int, default=None, help="AttnRes blocks for the floor (default: the deepest layer's)")
     plan.add_argument("--prefetch-final", action="store_true", help="L2-prefetch FINAL's weights after the experts")
     plan.add_argument("--ctas-per-sm", type=int, default=1, help="resident CTAs an SM is given (default 1)")
+    plan.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB,
+                      help=f"KB of weight a dense GEMV task loads a step (default {DENSE_STEP_KB})")
     plan.add_argument("--m1b-splits", type=int, default=None,
                       help="an MLA layer's table: M1b (combining this many M1c splits) runs first in the launch")
     ranks = sub.add_parser("ranks", help="T ranks of the mono launch exchanging for real, checked and timed")
@@ -211,7 +214,8 @@ def cmd_plan(args) -> int:
 
     cfg = preset(args.preset)
     m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
-    options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b)
+    options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b,
+                          dense_step_kb=args.dense_step_kb)
     table = plan(cfg, args.tp, args.tokens, args.sms, options)
     floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks,
                         m1b=m1b)
