@@ -52,7 +52,7 @@ for s in $STEPS; do
     mla)
         step bench_mla 420 python3 -m k3mono bench --tp 8 --tokens 1 --mla --out "$RESULTS" ;;
     sweep)
-        step mono_sweep 300 python3 benchmarks/mono_sweep.py ;;
+        step mono_sweep 300 python3 benchmarks/mono_sweep.py --ctas 2 --prefetch 0 --dense-step-kb 8 16 32 ;;
     gpus)
         T=$(nvidia-smi -L | wc -l)
         for S in 1 4 16; do
