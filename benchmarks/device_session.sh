@@ -43,6 +43,7 @@ for s in $STEPS; do
     ranks)
         step ranks_green_t8 150 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --replays 100 --out "$RESULTS"
         step ranks_green_t8_s16 120 python3 -m k3mono ranks --tp 8 --tokens 16 --mode green --replays 100 --out "$RESULTS"
+        step ranks_streams_t8 90 python3 -m k3mono ranks --tp 8 --tokens 1 --mode streams --replays 100 --out "$RESULTS"
         step ranks_fault 60 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --input-sets 1 --absent 3 --out "$RESULTS"
         step ranks_procs_t2 90 python3 -m k3mono ranks --tp 2 --tokens 3 --mode procs --preset tiny --replays 100 --out "$RESULTS" ;;
     bench)

@@ -346,31 +346,48 @@ def _health_text(rank) -> str | None:
 
 
 def _concurrent_replays(job, cfg, runner, streams, reports, device) -> None:
-    """One CUDA graph holding the T concurrent launches (forked onto the rank
-    streams); each replay timed per rank with events on its stream (external
-    events: captured as record nodes, so they time every replay)."""
-    from .mono import launch_concurrently
-
+    """One CUDA graph a rank, captured on and replayed into the rank's own stream
+    (its green context: a graph holds no context of its own, the stream it is
+    launched into gives its kernels their SMs), the T replays issued together;
+    each timed with events on the rank's stream."""
     sets = [job.inputs(cfg, index, device) for index in range(job.input_sets)]
     static = {name: t.clone() for name, t in sets[0].items()}
     runner.load_inputs(**static)
-    events = [tuple(torch.cuda.Event(enable_timing=True, external=True) for _ in range(2)) for _ in runner.ranks]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch_concurrently(runner.rank_states, streams, events)
+    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in runner.ranks]
+    graphs = []
+    for rank, stream in zip(runner.rank_states, streams):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            rank.launch()
+        graphs.append(graph)
     for replay in range(job.replays):
         for name, t in sets[replay % job.input_sets].items():
             static[name].copy_(t)
         runner.load_inputs(**static)
         for rank in runner.rank_states:
             rank.poison(peer_regions=False)
-        graph.replay()
+        _replay_concurrently(graphs, streams, events)
         torch.cuda.synchronize(device)
         runner.check_health()
         for report, result, (start, end) in zip(reports, runner.rank_results(), events):
             report.launch_us.append(1000 * start.elapsed_time(end))
             report.replays += 1
             report.replay_mismatches += not _same_bits(_outputs(result), report.eager[replay % job.input_sets])
+
+
+def _replay_concurrently(graphs, streams, events) -> None:
+    """Each rank's graph into its stream after the current stream's work (the
+    inputs copied in), timed by its (start, end) events."""
+    current = torch.cuda.current_stream()
+    for stream in streams:
+        stream.wait_stream(current)
+    for graph, stream, (start, end) in zip(graphs, streams, events):
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+    for stream in streams:
+        current.wait_stream(stream)
 
 
 # -- judging ----------------------------------------------------------------------------------
