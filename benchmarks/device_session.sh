@@ -51,7 +51,7 @@ for s in $STEPS; do
     variants)
         step mono_variants 420 python3 benchmarks/mono_variants.py --tokens 1 8 ;;
     mla)
-        step bench_mla 420 python3 -m k3mono bench --tp 8 --tokens 1 --mla --out "$RESULTS" ;;
+        step bench_mla 420 python3 -m k3mono bench --tp --tokens 1 --mla --contexts 32768 1024 131072 --out "$RESULTS" ;;
     sweep)
         step mono_sweep 300 python3 benchmarks/mono_sweep.py --ctas 2 --prefetch 0 --dense-step-kb 8 16 32 ;;
     gpus)

@@ -246,7 +246,9 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool = False) -> dict:
+def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool = False, contexts=None) -> dict:
+    """The tables of ``tables`` (none: the MLA rows alone) and, with ``mla``, the
+    MLA rows at ``contexts`` (bench_mla.CONTEXTS by default)."""
     if not torch.cuda.is_available():
         from .errors import K3InputError
 
@@ -271,21 +273,23 @@ def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool 
         print(_stage_table(rows, bandwidth), flush=True)
         torch.cuda.empty_cache()
     if mla:
-        from .bench_mla import bench_m1b_fold, bench_mla, bench_mla_fused
+        from .bench_mla import CONTEXTS, bench_m1b_fold, bench_mla, bench_mla_fused
 
+        contexts = tuple(contexts or CONTEXTS)
         print("-- MLA decode: M1c and M1b, one rank of TP8", flush=True)
-        results["mla"] = bench_mla(bandwidth, device, tokens_list)
+        results["mla"] = bench_mla(bandwidth, device, tokens_list, contexts)
         print("-- M1b folded into the mono launch, one rank of TP8", flush=True)
         weight_sets = [random_shard(cfg, 8, seed=s, device=device) for s in range(WEIGHT_SETS)]
         results["m1b_fold"] = bench_m1b_fold(cfg, weight_sets, tokens_list, BENCH_LAYER)
         print("-- MLA layers: separate launches, M1b folded in, M1c and M1b folded in", flush=True)
-        results["mla_fused"] = bench_mla_fused(cfg, weight_sets[0], bandwidth, BENCH_LAYER, tokens_list)
+        results["mla_fused"] = bench_mla_fused(cfg, weight_sets[0], bandwidth, BENCH_LAYER, tokens_list, contexts)
         del weight_sets
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{results['date']}-{results['commit']}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    plot(results, out_dir / f"{stem}.png")
-    print(f"wrote {out_dir / stem}.json and .png")
+    if results["tables"]:
+        plot(results, out_dir / f"{stem}.png")
+    print(f"wrote {out_dir / stem}.json" + (" and .png" if results["tables"] else ""))
     for title, rows in results["tables"].items():
         print(f"== {title} ({results['gpu']}, {bandwidth / 1e12:.2f} TB/s copy)")
         for row in rows:

@@ -51,8 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GPU: staged, each stage, unfused PyTorch and the floor, per S")
     bench.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     bench.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    bench.add_argument("--tp", type=int, nargs="+", default=[8, 1], help="tables: 8 = one rank of TP8, 1 = whole layer")
-    bench.add_argument("--mla", action="store_true", help="also the MLA rows (M1c, M1b; separate against folded in) at 1 K, 32 K, 128 K contexts, per --tokens")
+    bench.add_argument("--tp", type=int, nargs="*", default=[8, 1],
+                       help="tables: 8 = one rank of TP8, 1 = whole layer; none (a bare --tp): only the MLA rows")
+    bench.add_argument("--mla", action="store_true",
+                       help="also the MLA rows (M1c, M1b; separate against folded in) per --tokens and --contexts")
+    bench.add_argument("--contexts", type=int, nargs="+", default=None,
+                       help="MLA rows' context lengths (default 1024 32768 131072)")
 
     plan = sub.add_parser("plan", help="print the mono launch's task table for one rank")
     plan.add_argument("--tokens", type=int, required=True, help="S, tokens of the launch")
@@ -202,7 +206,12 @@ def cmd_bench(args) -> int:
     for tp in args.tp:
         if tp not in titles:
             raise K3InputError(f"bench --tp: expected one of {sorted(titles)}, got {tp}")
-    run_bench(args.out, tuple(args.tokens), tuple((tp, titles[tp]) for tp in args.tp), mla=args.mla)
+    if not args.tp and not args.mla:
+        raise K3InputError("bench: nothing to run (no --tp table and no --mla)")
+    if args.contexts is not None and not args.mla:
+        raise K3InputError("bench --contexts: only the MLA rows (--mla) take contexts")
+    run_bench(args.out, tuple(args.tokens), tuple((tp, titles[tp]) for tp in args.tp), mla=args.mla,
+              contexts=args.contexts)
     return 0
 
 

@@ -69,6 +69,8 @@ def bad_cases(ckpt):
         (["run", "--checkpoint", str(ckpt / "nowhere"), "--layer", "13", "--inputs", str(good), "--out", "o8"], "config.json"),
         (["run", "--checkpoint", str(ckpt / "ckpt"), "--layer", "7", "--inputs", str(good), "--out", "o9"], "layers.7"),
         (["run", "--checkpoint", str(ckpt / "ckpt"), "--layer", "0", "--inputs", str(good), "--out", "o10"], "layer"),
+        (["bench", "--tp", "--out", "o11"], "nothing to run"),
+        (["bench", "--tp", "8", "--contexts", "1024", "--out", "o12"], "--contexts"),
     ]
 
 
