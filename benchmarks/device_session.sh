@@ -43,9 +43,15 @@ for s in $STEPS; do
     ranks)
         step ranks_green_t8 150 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --replays 100 --out "$RESULTS"
         step ranks_green_t8_s16 120 python3 -m k3mono ranks --tp 8 --tokens 16 --mode green --replays 100 --out "$RESULTS"
+        for T in 2 4; do
+            step "ranks_green_t$T" 90 python3 -m k3mono ranks --tp "$T" --tokens 1 --mode green --replays 100 --out "$RESULTS"
+        done
         step ranks_streams_t8 90 python3 -m k3mono ranks --tp 8 --tokens 1 --mode streams --replays 100 --out "$RESULTS"
         step ranks_fault 60 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --input-sets 1 --absent 3 --out "$RESULTS"
-        step ranks_procs_t2 90 python3 -m k3mono ranks --tp 2 --tokens 3 --mode procs --preset tiny --replays 100 --out "$RESULTS" ;;
+        for T in 2 4 8; do  # the small preset: tiny's 4 heads do not split 8 ways
+            step "ranks_procs_t$T" 120 python3 -m k3mono ranks --tp "$T" --tokens 3 --mode procs --preset small --replays 100 --out "$RESULTS"
+        done
+        step ranks_procs_fault 90 python3 -m k3mono ranks --tp 4 --tokens 1 --mode procs --preset small --input-sets 1 --absent 2 --out "$RESULTS" ;;
     bench)
         step bench 420 python3 -m k3mono bench --tp 8 --tokens 1 8 16 --out "$RESULTS" ;;
     variants)

@@ -90,11 +90,13 @@ def main() -> int:
     cfg = preset(args.preset)
     shard = random_shard(cfg, 8 if cfg.num_attention_heads % 8 == 0 else 2, seed=5, device=device)
     failures, started = 0, time.time()
-    for kv_dtype in args.kv:
-        for context in args.contexts:
-            for tokens in args.tokens:
+    # context-major, the cache dtypes side by side: a bounded run covers both at the first contexts
+    for context in args.contexts:
+        for tokens in args.tokens:
+            for kv_dtype in args.kv:
                 failures += not staged_case(tokens, context, kv_dtype, device)
                 failures += not fused_case(cfg, shard, tokens, context, kv_dtype)
+                print(f"  ({time.time() - started:.0f} s in)", flush=True)
     print(f"gpu_check_mla: {'all ok' if not failures else f'{failures} FAILED'} ({time.time() - started:.0f} s)")
     return 1 if failures else 0
 
