@@ -5,7 +5,8 @@
 #
 #   K3MONO_COMMIT=<hash> bash benchmarks/device_session.sh [steps...]
 #
-# Steps (default: all one-GPU steps, in this order): check ranks mla_check bench variants mla sweep;
+# Steps (default: all one-GPU steps, in this order): check ranks mla_check bench variants mla sweep
+# (the sweep is where a new knob is decided: put it first when one is pending);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -59,7 +60,7 @@ for s in $STEPS; do
     mla)
         step bench_mla 420 python3 -m k3mono bench --tp --tokens 1 --mla --contexts 32768 1024 131072 --out "$RESULTS" ;;
     sweep)
-        step mono_sweep 300 python3 benchmarks/mono_sweep.py --ctas 2 --prefetch 0 --dense-step-kb 8 16 32 ;;
+        step mono_sweep 300 python3 benchmarks/mono_sweep.py --ctas 2 3 --prefetch 0 --expert-rows 32 16 8 ;;
     gpus)
         T=$(nvidia-smi -L | wc -l)
         for S in 1 4 16; do

@@ -4,7 +4,7 @@ random inputs, outputs poisoned before each run, routes compared exactly with
 the bf16 reference, every rank's copy compared bit for bit.
 
     python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
-                                   [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8]
+                                   [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--expert-rows 32]
 
 The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
 T = 8 with every rank in loopback) eagerly, then captures the T launches in
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from k3mono.config import preset
 from k3mono.mono import DEFAULT_CTAS_PER_SM, MonoRunner, device_sms
-from k3mono.planner import DENSE_STEP_KB, MonoOptions
+from k3mono.planner import DENSE_STEP_KB, EXPERT_ROWS, MonoOptions, TileChoice
 from k3mono.runner import Oracle
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_shard
@@ -62,12 +62,12 @@ def same_on_every_rank(results) -> bool:
     )
 
 
-def mono_case(cfg, full, shards, tp: int, tokens: int, device, dense_step_kb: int) -> int:
+def mono_case(cfg, full, shards, tp: int, tokens: int, device, tiles: TileChoice) -> int:
     """Eager + 3 graph replays of the mono launch; returns the number of failures."""
     failures = 0
     started = time.time()
     runner = MonoRunner(cfg, shards, tokens, LAYER,
-                        options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, dense_step_kb=dense_step_kb))
+                        options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=tiles))
     first = {k: v.to(device) for k, v in random_inputs(cfg, tokens, LAYER, seed=77 * tp + tokens).items()}
     # fixed input buffers: the graph reads these addresses
     core, prefix, blocks = first["core"].clone(), first["prefix"].clone(), first["blocks"].clone()
@@ -153,7 +153,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
-    parser.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB, help="MonoOptions.dense_step_kb")
+    parser.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB, help="TileChoice.dense_step_kb")
+    parser.add_argument("--expert-rows", type=int, default=EXPERT_ROWS, help="TileChoice.expert_rows")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     args = parser.parse_args()
@@ -183,7 +184,8 @@ def main() -> int:
             del staged
         if not args.skip_mono:
             for tokens in args.tokens:
-                failures += mono_case(cfg, full, shards, tp, tokens, device, args.dense_step_kb)
+                tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows)
+                failures += mono_case(cfg, full, shards, tp, tokens, device, tiles)
         if tp == 8:
             for ctas in args.grids:
                 failures += grid_case(cfg, shards, ctas, 0, device)

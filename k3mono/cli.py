@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .config import PRESETS
 from .errors import K3InputError
-from .planner import DENSE_STEP_KB
+from .planner import DENSE_STEP_KB, EXPERT_ROWS
 from .validate import check_tokens
 
 CHECK_PRESET = "tiny"
@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--ctas-per-sm", type=int, default=1, help="resident CTAs an SM is given (default 1)")
     plan.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB,
                       help=f"KB of weight a dense GEMV task loads a step (default {DENSE_STEP_KB})")
+    plan.add_argument("--expert-rows", type=int, default=EXPERT_ROWS,
+                      help=f"output rows of an MXFP4 expert task (default {EXPERT_ROWS})")
     plan.add_argument("--m1b-splits", type=int, default=None,
                       help="an MLA layer's table: M1b (combining this many M1c splits) runs first in the launch")
     ranks = sub.add_parser("ranks", help="T ranks of the mono launch exchanging for real, checked and timed")
@@ -218,13 +220,13 @@ def cmd_bench(args) -> int:
 def cmd_plan(args) -> int:
     from .config import preset
     from .floor import floor_bytes
-    from .planner import M1bShape, MonoOptions, plan
+    from .planner import M1bShape, MonoOptions, TileChoice, plan
     from .reference.mla import LATENT_DIM
 
     cfg = preset(args.preset)
     m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
     options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b,
-                          dense_step_kb=args.dense_step_kb)
+                          tiles=TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows))
     table = plan(cfg, args.tp, args.tokens, args.sms, options)
     floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks,
                         m1b=m1b)

@@ -76,7 +76,7 @@ import torch
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
-from .planner import (COL, DENSE_STEP_KB, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, next_pow2, plan,
+from .planner import (COL, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice, next_pow2, plan,
                       timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_layer_inputs
@@ -126,7 +126,7 @@ class MonoBuild:
     m1c: M1cShape | None = None  # with the m1c bit of opt (MonoOptions.m1c)
     variant: tuple[str, int] | None = None  # (how, TaskKind code): planner.timing_variant, timing only
     max_registers: int | None = None  # ptxas's cap a thread (Triton's maxnreg); None: the compiler's choice
-    dense_step_kb: int = DENSE_STEP_KB  # MonoOptions.dense_step_kb
+    tiles: TileChoice = TileChoice()  # MonoOptions.tiles
 
     def __post_init__(self):
         if not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
@@ -140,7 +140,7 @@ class MonoBuild:
 
     @property
     def options(self) -> MonoOptions:
-        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c, self.dense_step_kb)
+        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c, self.tiles)
 
 
 # -- layouts -------------------------------------------------------------------------------
@@ -711,7 +711,7 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
                      m1b=options.m1b, m1c=options.m1c, max_registers=max_registers,
-                     dense_step_kb=options.dense_step_kb)
+                     tiles=options.tiles)
 
 
 class MonoRunner:

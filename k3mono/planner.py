@@ -61,10 +61,34 @@ DOT_TILE = (16, 256)
 DENSE_STEP_KB = 8
 DENSE_STEP_KB_CHOICES = (8, 16, 32)
 """KB of bf16 weight a dense GEMV tile loads a step (FMA_TILE and DOT_TILE);
-the mono launch may widen it (MonoOptions.dense_step_kb): with only 2 CTAs a
+the mono launch may widen it (TileChoice.dense_step_kb): with only 2 CTAs a
 SM resident (the persistent kernel's registers) it keeps 2 steps in flight an
 SM, half of the ~32 KB HBM latency wants, and the o_proj's K = C/T = 1536 at
-T = 8 is only 3 steps of 512, each a full memory round trip."""
+T = 8 is only 3 steps of 512, each a full memory round trip. Measured on the
+H200 (docs/PERF.md, 2026-12-03): 16 and 32 KB were slower; 8 stays."""
+
+EXPERT_ROWS = 32
+EXPERT_ROWS_CHOICES = (8, 16, 32)
+"""Output rows of an MXFP4 expert task. At 32, S = 1 at TP8 has 192 gate/up
+tasks (16 experts x 12 tiles of I/T = 384) and 112 down tasks (L = 3584 / 32)
+for the mono launch's 264 CTAs: a third to a half of them idle, while each
+busy one streams about 100 KB alone. 16 or 8 rows (TileChoice.expert_rows)
+spread the same bytes over 2x or 4x the tasks, each thread holding fewer rows."""
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    """Task sizes the mono launch may take other than the staged path's (a
+    build-key part; docs at DENSE_STEP_KB and EXPERT_ROWS)."""
+
+    dense_step_kb: int = DENSE_STEP_KB
+    expert_rows: int = EXPERT_ROWS
+
+    def check(self) -> None:
+        if self.dense_step_kb not in DENSE_STEP_KB_CHOICES:
+            raise K3InputError(f"tiles.dense_step_kb: expected one of {DENSE_STEP_KB_CHOICES}, got {self.dense_step_kb!r}")
+        if self.expert_rows not in EXPERT_ROWS_CHOICES:
+            raise K3InputError(f"tiles.expert_rows: expected one of {EXPERT_ROWS_CHOICES}, got {self.expert_rows!r}")
 
 
 BACK_BLOCK_DV = 64
@@ -240,11 +264,11 @@ def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int) -> GemvTile:
 
 
 def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = None,
-                   m1c: M1cShape | None = None, dense_step_kb: int = DENSE_STEP_KB) -> StageGeometry:
+                   m1c: M1cShape | None = None, tiles: TileChoice = TileChoice()) -> StageGeometry:
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"stage_geometry: tokens must be 1..{MAX_TOKENS}, got {tokens}")
-    if dense_step_kb not in DENSE_STEP_KB_CHOICES:
-        raise K3InputError(f"dense_step_kb: expected one of {DENSE_STEP_KB_CHOICES}, got {dense_step_kb!r}")
+    tiles.check()
+    step_kb = tiles.dense_step_kb
     H, C, E, L = cfg.hidden_size, cfg.core_width, cfg.num_experts, cfg.routed_expert_hidden_size
     I, SI = cfg.moe_intermediate_size, cfg.shared_intermediate
     use_dot = tokens > FMA_MAX_TOKENS
@@ -252,17 +276,17 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
-        oproj=_dense(H, C // tp, use_dot, dense_step_kb),
-        router=_dense(E // tp, H, use_dot, dense_step_kb),
-        latent_down=_dense(L // tp, H, use_dot, dense_step_kb),
-        shared_gate_up=_dense(SI // tp, H, use_dot, dense_step_kb),
-        final=_dense(H, max(L, SI) // tp, use_dot, dense_step_kb),
+        oproj=_dense(H, C // tp, use_dot, step_kb),
+        router=_dense(E // tp, H, use_dot, step_kb),
+        latent_down=_dense(L // tp, H, use_dot, step_kb),
+        shared_gate_up=_dense(SI // tp, H, use_dot, step_kb),
+        final=_dense(H, max(L, SI) // tp, use_dot, step_kb),
         # MXFP4 tiles [groups, rows] (kernels/experts.py): 16 groups put 16 lanes on
         # consecutive 16-byte groups of a row and the 4 warps on rows, so each
         # thread keeps one group column over rows / 8 rows and reuses its
         # activations for each; down's input row is the K chosen experts' groups.
-        expert_gate_up=_gemv(32, I // tp, L, 16 * MXFP4_GROUP),
-        expert_down=_gemv(32, L, cfg.num_experts_per_token * I // tp, 16 * MXFP4_GROUP),
+        expert_gate_up=_gemv(tiles.expert_rows, I // tp, L, 16 * MXFP4_GROUP),
+        expert_down=_gemv(tiles.expert_rows, L, cfg.num_experts_per_token * I // tp, 16 * MXFP4_GROUP),
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b),
@@ -409,16 +433,15 @@ class MonoOptions:
     One program of the GEMV geometry keeps one tile step (8 KB) in flight and an
     SM wants about 32 KB, so more than one may pay; the benchmark decides. It
     never risks a deadlock: a CTA that is not resident holds no ticket.
-    dense_step_kb (a build-key part, not in ``bits()``): KB of weight a dense
-    GEMV task loads a step (DENSE_STEP_KB; 16 or 32 widen the step along K,
-    so a resident CTA keeps more in flight for the same registers' worth of CTAs).
+    tiles (a build-key part, not in ``bits()``): task sizes other than the
+    staged path's (TileChoice: the dense GEMV step, the expert task rows).
     """
 
     prefetch_final: bool = False
     ctas_per_sm: int = 1
     m1b: M1bShape | None = None
     m1c: M1cShape | None = None
-    dense_step_kb: int = DENSE_STEP_KB
+    tiles: TileChoice = TileChoice()
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
@@ -426,7 +449,7 @@ class MonoOptions:
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
-                  m1c: M1cShape | None = None, dense_step_kb: int = DENSE_STEP_KB) -> "MonoOptions":
+                  m1c: M1cShape | None = None, tiles: TileChoice = TileChoice()) -> "MonoOptions":
         if bits & ~OPT_ALL:
             raise K3InputError(f"options: unknown option bits {bits & ~OPT_ALL:#x}")
         if bool(bits & OPT_M1B) != (m1b is not None):
@@ -434,7 +457,7 @@ class MonoOptions:
         if bool(bits & OPT_M1C) != (m1c is not None):
             raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
         return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
-                   dense_step_kb=dense_step_kb)
+                   tiles=tiles)
 
 
 @dataclass(frozen=True)
@@ -1010,9 +1033,9 @@ def _validate(cfg: K3Config, tp: int, tokens: int, sms: int, options) -> None:
         raise K3InputError(f"options: expected MonoOptions, got {type(options).__name__}")
     if not is_int(options.ctas_per_sm) or options.ctas_per_sm < 1:
         raise K3InputError(f"options.ctas_per_sm: expected a positive integer, got {options.ctas_per_sm!r}")
-    if options.dense_step_kb not in DENSE_STEP_KB_CHOICES:
-        raise K3InputError(f"options.dense_step_kb: expected one of {DENSE_STEP_KB_CHOICES}, "
-                           f"got {options.dense_step_kb!r}")
+    if not isinstance(options.tiles, TileChoice):
+        raise K3InputError(f"options.tiles: expected TileChoice, got {type(options.tiles).__name__}")
+    options.tiles.check()
     if options.m1b is not None:
         _validate_m1b(cfg, options.m1b)
     if options.m1c is not None:
@@ -1052,7 +1075,7 @@ def plan(cfg: K3Config, tp: int, tokens: int, sms: int, options: MonoOptions | N
     """The task table of one rank's mono launch (every rank runs the same one)."""
     options = MonoOptions() if options is None else options
     _validate(cfg, tp, tokens, sms, options)
-    geometry = stage_geometry(cfg, tp, tokens, options.m1b, options.m1c, options.dense_step_kb)
+    geometry = stage_geometry(cfg, tp, tokens, options.m1b, options.m1c, options.tiles)
     planner = _Planner(cfg, tp, tokens, geometry, options)
     tasks = _ticketed(planner.in_table_order())
     _check_invariant(tasks)

@@ -28,6 +28,7 @@ from k3mono.planner import (
     Raise,
     TaskKind,
     plan,
+    TileChoice,
     stage_geometry,
     tiles,
 )
@@ -622,7 +623,7 @@ def test_cli_plan_bad_value_is_one_line_and_exit_2(args, message, capsys):
 
 
 def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
-    """MonoOptions.dense_step_kb doubles or quadruples a dense task's K step
+    """TileChoice.dense_step_kb doubles or quadruples a dense task's K step
     (never past the input width rounded up to a power of two), keeps its rows,
     and still streams every weight byte once."""
     cfg = preset("kimi-k3")
@@ -632,14 +633,30 @@ def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
     for tokens in (1, 8):
         base = stage_geometry(cfg, T, tokens)
         for kb in (16, 32):
-            wide = stage_geometry(cfg, T, tokens, dense_step_kb=kb)
+            wide = stage_geometry(cfg, T, tokens, tiles=TileChoice(dense_step_kb=kb))
             for stage, k in in_dims.items():
                 b, w = getattr(base, stage), getattr(wide, stage)
                 assert w.rows == b.rows, stage
                 assert w.block_k == min(b.block_k * kb // 8, 1 << (k - 1).bit_length()), stage
-            table = plan(cfg, T, tokens, 132, MonoOptions(dense_step_kb=kb))
+            table = plan(cfg, T, tokens, 132, MonoOptions(tiles=TileChoice(dense_step_kb=kb)))
             streamed = lambda t: sorted(s for task in t.tasks for s in task.streams)  # noqa: E731
             assert streamed(table) == streamed(plan(cfg, T, tokens, 132))
-    assert stage_geometry(cfg, T, 1, dense_step_kb=32).oproj.block_k == 2048  # K = C/T = 1536: one step
+    assert stage_geometry(cfg, T, 1, tiles=TileChoice(dense_step_kb=32)).oproj.block_k == 2048  # K = C/T: one step
     with pytest.raises(K3InputError, match="dense_step_kb"):
-        plan(cfg, T, 1, 132, MonoOptions(dense_step_kb=12))
+        plan(cfg, T, 1, 132, MonoOptions(tiles=TileChoice(dense_step_kb=12)))
+
+
+@pytest.mark.parametrize("rows", [8, 16])
+def test_fewer_expert_rows_make_more_expert_tasks_over_the_same_bytes(rows):
+    """TileChoice.expert_rows: 32 / rows times the MXFP4 tasks at S = 1, TP8, the
+    same weight bytes streamed, and the launch's waits still name lower tickets
+    (plan checks the invariant)."""
+    cfg = preset("kimi-k3")
+    base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(expert_rows=rows)))
+    for kind in (TaskKind.EXPERT_GU, TaskKind.EXPERT_DOWN):
+        count = lambda t: sum(task.kind == kind for task in t.tasks)  # noqa: E731
+        assert count(narrow) == count(base) * 32 // rows, kind
+    streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
+    assert streamed(narrow) == streamed(base)
+    with pytest.raises(K3InputError, match="expert_rows"):
+        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(expert_rows=12)))
