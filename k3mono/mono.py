@@ -405,6 +405,7 @@ def k2_launch(
     out,
     scratch,
     peers,
+    peer_table,
     rank,
     epoch,
     layer,
@@ -420,7 +421,9 @@ def k2_launch(
     core is fine), prefix [S, H] bf16 updated in place, blocks [S, nb_max, H]
     bf16, out [S, H] bf16; weights as the module docstring maps them.
     scratch: the rank's flat uint8 scratch; peers: the T ranks' flat uint8
-    peer buffers (loopback: the rank's own only); own: the rank's own peer
+    peer buffers (loopback: the rank's own only); peer_table: int64 [NP] on
+    the launch's device, the peers' addresses in order (peer_address_table;
+    the kernel reads the peers through it); own: the rank's own peer
     buffer (default peers[rank], loopback peers[0]); epoch: int32 [1] device
     word (the launch's epoch; advanced by the launch); health: int32
     [HEALTH_WORDS]; alarm: the wait bound in polls. m1b_in: required iff
@@ -435,6 +438,9 @@ def k2_launch(
         raise K3InputError(f"peers: expected {c.consts['NP']} buffers, got {len(peers)}")
     if own is None:
         own = peers[0] if key.loopback else peers[rank]
+    expect_tensor("peer_table", peer_table, (len(peers),), torch.int64)
+    if peer_table.device != own.device:
+        raise K3InputError(f"peer_table: expected on {own.device}, got {peer_table.device}")
     for name, buf, need in [("scratch", scratch, buffer_bytes(c.scratch)), ("own", own, buffer_bytes(c.peer))] + [
         (f"peers[{i}]", p, buffer_bytes(c.peer)) for i, p in enumerate(peers)
     ]:
@@ -456,8 +462,7 @@ def k2_launch(
         w_up, out, out.stride(0),
         views(scratch, torch.bfloat16), views(scratch, torch.int32), views(scratch, torch.float32),
         views(own, torch.float32), views(own, torch.bfloat16), views(own, torch.int32),
-        tuple(views(p, torch.float32) for p in peers), tuple(views(p, torch.bfloat16) for p in peers),
-        tuple(views(p, torch.int32) for p in peers),
+        peer_table,
         rank, epoch, layer, health, int(alarm), len(c.table.tasks),
         **c.consts, num_warps=4, **_register_cap(key),
     )
@@ -466,6 +471,11 @@ def k2_launch(
 def _register_cap(key: MonoBuild) -> dict:
     """The maxnreg launch option where a cap is set (compiled builds only: the interpreter takes none)."""
     return {} if key.max_registers is None or _interpreting() else {"maxnreg": key.max_registers}
+
+
+def peer_address_table(peers, device) -> torch.Tensor:
+    """int64 [NP] on ``device``: each peer buffer's address, in order (k2_launch's peer_table)."""
+    return torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
 
 
 def launch_args(w: LayerWeights) -> dict:
@@ -515,6 +525,8 @@ class MonoRank:
         self.m1c_in = None  # M1c builds: the rank's heads' M1c inputs (load_m1b_inputs)
         self.broken = None
         self.symmetric_handle = None  # keeps a symmetric-memory mapping of the peers alive
+        self._table, self._table_for = None, None
+        self._peer_table()  # made here, so that even a first launch may be captured in a CUDA graph
         self._args = launch_args(shard)
 
     def timing_variant(self, how: str, kind) -> "MonoRank":
@@ -589,9 +601,17 @@ class MonoRank:
             raise RuntimeError(f"mono rank {self.rank}: broken by an earlier timeout ({self.broken}); call reset()")
         k2_launch(
             self.key, core=self.core, prefix=self.prefix, blocks=self.blocks, **self._args, out=self.out,
-            scratch=self.scratch_buffer, peers=self.peers, rank=self.rank, epoch=self.epoch_word, layer=self.layer,
-            health=self.health, alarm=self.spin_limit, own=self.own, m1b_in=self.m1b_in, m1c_in=self.m1c_in,
+            scratch=self.scratch_buffer, peers=self.peers, peer_table=self._peer_table(), rank=self.rank,
+            epoch=self.epoch_word, layer=self.layer, health=self.health, alarm=self.spin_limit, own=self.own,
+            m1b_in=self.m1b_in, m1c_in=self.m1c_in,
         )
+
+    def _peer_table(self) -> torch.Tensor:
+        """The peers' address table, remade (host side, no sync) if ``peers`` was reassigned."""
+        addresses = [p.data_ptr() for p in self.peers]
+        if self._table_for != addresses:
+            self._table, self._table_for = peer_address_table(self.peers, self.own.device), addresses
+        return self._table
 
     def check_health(self) -> None:
         """Raise MonoTimeout naming rank, task, flag, expected and seen on a failed wait

@@ -7,7 +7,26 @@ import time). A GPU machine keeps compiled kernels unless the caller asks.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+class LaunchRecorder:
+    """Stands in for a kernel: records each launch's grid, runs nothing."""
+
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.grids.append(grid)
+
+
+@pytest.fixture
+def mono_launches(monkeypatch) -> list:
+    """The grids of the mono kernel's launches in this test (none of them run)."""
+    recorder = LaunchRecorder()
+    monkeypatch.setattr("k3mono.kernels.mono._mono_kernel", recorder)
+    return recorder.grids

@@ -280,3 +280,27 @@ def test_fewer_expert_rows_change_no_bits(expert_rows):
     narrow = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=TileChoice(expert_rows=expert_rows)))
     assert narrow.compiled.table.geometry.expert_down.rows == expert_rows
     assert same_bits(plain, narrow(**inputs))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda t: t.to(torch.int32), r"^peer_table: expected dtype torch.int64"),
+    (lambda t: torch.cat([t, t]), r"^peer_table: expected shape \[2\], got \[4\]"),
+])
+def test_a_bad_peer_table_is_named_before_any_launch(bad, message, mono_launches):
+    """k2_launch reads the peers through their address table: a table of the
+    wrong dtype or length is refused before the kernel runs."""
+    from k3mono.mono import k2_launch
+
+    launches = mono_launches
+    cfg, tokens, layer = preset("tiny"), 1, 13
+    runner = MonoRunner(cfg, shard_all(layer_weights(), cfg, 2), tokens, layer, loopback=False)
+    runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=51))
+    rank = runner.rank_states[0]
+    args = dict(core=rank.core, prefix=rank.prefix, blocks=rank.blocks, **rank._args, out=rank.out,
+                scratch=rank.scratch_buffer, peers=rank.peers, rank=0, epoch=rank.epoch_word, layer=layer,
+                health=rank.health, alarm=rank.spin_limit)
+    k2_launch(rank.key, peer_table=rank._peer_table(), **args)
+    assert len(launches) == 1
+    with pytest.raises(K3InputError, match=message):
+        k2_launch(rank.key, peer_table=bad(rank._peer_table()), **args)
+    assert len(launches) == 1

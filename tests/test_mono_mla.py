@@ -143,22 +143,11 @@ BAD = {
 }
 
 
-class LaunchRecorder:
-    """Stands in for the kernel: records each launch's grid, runs nothing."""
-
-    def __init__(self, launches: list):
-        self.launches = launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append(grid)
-
-
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_m1b_input_is_named_before_any_launch(case, monkeypatch):
+def test_bad_m1b_input_is_named_before_any_launch(case, mono_launches):
     cfg = preset("tiny")
     corrupt, message = BAD[case]
-    launches = []
-    monkeypatch.setattr("k3mono.kernels.mono._mono_kernel", LaunchRecorder(launches))
+    launches = mono_launches
     runner = mla_runner(cfg, shard_all(layer_weights(), cfg, 1), 1, torch.bfloat16)
     act = random_inputs(cfg, 1, LAYER, seed=3)
     m1b_in = m1b_inputs(cfg, 1, 1, torch.bfloat16, seed=3)
@@ -304,11 +293,10 @@ BAD_M1C = {
 
 
 @pytest.mark.parametrize("case", list(BAD_M1C))
-def test_bad_m1c_input_is_named_before_any_launch(case, monkeypatch):
+def test_bad_m1c_input_is_named_before_any_launch(case, mono_launches):
     cfg = preset("tiny")
     corrupt, message = BAD_M1C[case]
-    launches = []
-    monkeypatch.setattr("k3mono.kernels.mono._mono_kernel", LaunchRecorder(launches))
+    launches = mono_launches
     runner = m1c_runner(cfg, shard_all(layer_weights(), cfg, 1), 1, 1, torch.bfloat16)
     act = random_inputs(cfg, 1, LAYER, seed=6)
     m1c_in, m1b_in = m1c_inputs(cfg, 1, [1], [13], torch.bfloat16, seed=6)

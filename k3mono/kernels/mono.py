@@ -42,8 +42,10 @@ stops the CTA. On exit every CTA bumps ``ctl[1]``; the last one resets both
 control words and advances the rank's device ``epoch`` word, so the next
 launch (a CUDA-graph replay included) needs no host work.
 
-Peer buffer of a rank, viewed as fp32 / bf16 / int32 (the kernel takes one
-tuple of each view: the interpreter cannot follow pointers loaded from memory):
+Peer buffer of a rank (the kernel reads the NP peers' base addresses from a
+device table in a loop that is not unrolled: NP buffers as kernel arguments,
+unrolled, kept their bases live in registers across the persistent loop and
+cost the full-peer build some 90 registers a thread), viewed as fp32 / bf16 / int32:
 
     [parity 0: layout.peer_layout][parity 1: the same][flags: int32 words]
 
@@ -128,6 +130,27 @@ def _touch_rows(
 
 
 @triton.jit
+def _peer(
+    peer_table_ptr,  # int64 [NP]: the peer buffers' byte addresses
+    p,
+    DTYPE: tl.constexpr,
+):
+    """Peer p's buffer as a DTYPE pointer."""
+    return tl.load(peer_table_ptr + p).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _raise_on_peers(
+    peer_table_ptr,  # int64 [NP]
+    word,  # the flag's int32 index in a peer buffer
+    NP: tl.constexpr,
+    SCOPE: tl.constexpr,
+):
+    for p in range(NP):
+        raise_counter(_peer(peer_table_ptr, p, tl.int32) + word, SCOPE)
+
+
+@triton.jit
 def _wait_word(
     i: tl.constexpr, row_ptr, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE: tl.constexpr
 ):
@@ -209,9 +232,7 @@ def _mono_kernel(
     own_f32,  # the rank's own peer buffer as fp32 / bf16 / int32
     own_bf16,
     own_i32,
-    peers_f32,  # tuples of NP peer buffers (NP = T, or 1 in loopback: (own,))
-    peers_bf16,
-    peers_i32,
+    peer_table_ptr,  # int64 [NP]: the peer buffers' byte addresses (NP = T, or 1 in loopback: own)
     rank,
     epoch_ptr,  # int32 [1]: this launch's epoch; the last CTA advances it
     layer,
@@ -392,10 +413,10 @@ def _mono_kernel(
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
                 acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST)
-                for p in tl.static_range(NP):
-                    store_rows(peers_f32[p] + pf + AR1_F + rank * (S * H), H, acc, tile * O_ROWS, S, H, SP, O_ROWS)
-                for p in tl.static_range(NP):
-                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+                for p in range(NP):
+                    peer = _peer(peer_table_ptr, p, tl.float32)
+                    store_rows(peer + pf + AR1_F + rank * (S * H), H, acc, tile * O_ROWS, S, H, SP, O_ROWS)
+                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
             elif kind == K_REDUCE1:
                 cols = start + tl.arange(0, RC1)
                 for s in range(S):
@@ -407,16 +428,16 @@ def _mono_kernel(
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTER:
                 acc = router_task(tile, x_ptr, H, w_gate_ptr, H, S, E_R, H, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST)
-                for p in tl.static_range(NP):
-                    store_rows(peers_f32[p] + pf + LOG_F + rank * E_R, E, acc, tile * R_ROWS, S, E_R, SP, R_ROWS)
-                for p in tl.static_range(NP):
-                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+                for p in range(NP):
+                    peer = _peer(peer_table_ptr, p, tl.float32)
+                    store_rows(peer + pf + LOG_F + rank * E_R, E, acc, tile * R_ROWS, S, E_R, SP, R_ROWS)
+                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
                 zt = latent_down_task(tile, x_ptr, H, w_ld_ptr, H, S, L_R, H, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST)
-                for p in tl.static_range(NP):
-                    store_rows(peers_bf16[p] + pb + Z_B + rank * L_R, L, zt, tile * LD_ROWS, S, L_R, SP, LD_ROWS)
-                for p in tl.static_range(NP):
-                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+                for p in range(NP):
+                    peer = _peer(peer_table_ptr, p, tl.bfloat16)
+                    store_rows(peer + pb + Z_B + rank * L_R, L, zt, tile * LD_ROWS, S, L_R, SP, LD_ROWS)
+                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
             elif kind == K_SHARED_GU:
                 shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
@@ -439,10 +460,10 @@ def _mono_kernel(
                     rows = start + tl.arange(0, DN_ROWS)
                     rmask = rows < stop
                     vals = tl.load(own_ar2 + token * L + rows, mask=rmask, other=0.0)
-                    for p in tl.static_range(NP):
-                        tl.store(peers_f32[p] + pf + AR2_F + rank * (S * L) + token * L + rows, vals, mask=rmask)
-                for p in tl.static_range(NP):
-                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+                    for p in range(NP):
+                        peer = _peer(peer_table_ptr, p, tl.float32)
+                        tl.store(peer + pf + AR2_F + rank * (S * L) + token * L + rows, vals, mask=rmask)
+                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
             elif kind == K_PREFETCH_FINAL:
                 sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
                 sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
@@ -452,10 +473,10 @@ def _mono_kernel(
             elif kind == K_FINAL:
                 acc = final_task(tile, lat_ptr + rank * L_R, L, w_up_ptr, L_R, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H,
                                  L_R, SI_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST)
-                for p in tl.static_range(NP):
-                    store_rows(peers_f32[p] + pf + AR3_F + rank * (S * H), H, acc, tile * F_ROWS, S, H, SP, F_ROWS)
-                for p in tl.static_range(NP):
-                    raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+                for p in range(NP):
+                    peer = _peer(peer_table_ptr, p, tl.float32)
+                    store_rows(peer + pf + AR3_F + rank * (S * H), H, acc, tile * F_ROWS, S, H, SP, F_ROWS)
+                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
             elif kind == K_REDUCE3:
                 cols = start + tl.arange(0, RC3)
                 for s in range(S):
@@ -464,8 +485,7 @@ def _mono_kernel(
                 # a timing variant's skipped task (planner.timing_variant): only its raise
                 if rword >= 0:
                     if tl.load(row + C_RAISE_PEER) != 0:
-                        for p in tl.static_range(NP):
-                            raise_counter(peers_i32[p] + FLAG_I + rword, SCOPE)
+                        _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
                     else:
                         raise_counter(flags + rword, SCOPE)
         # a failed wait stops the CTA (the alarm is up: the launch is lost)
