@@ -5,6 +5,7 @@ the bf16 reference, every rank's copy compared bit for bit.
 
     python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
                                    [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--expert-rows 32]
+                                   [--router-rows 8]
 
 The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
 T = 8 with every rank in loopback) eagerly, then captures the T launches in
@@ -33,7 +34,7 @@ import triton.language as tl
 
 from k3mono.config import preset
 from k3mono.mono import DEFAULT_CTAS_PER_SM, MonoRunner, device_sms
-from k3mono.planner import DENSE_STEP_KB, EXPERT_ROWS, MonoOptions, TileChoice
+from k3mono.planner import DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, MonoOptions, TileChoice
 from k3mono.runner import Oracle
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_shard
@@ -155,6 +156,7 @@ def main() -> int:
     parser.add_argument("--skip-mono", action="store_true")
     parser.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB, help="TileChoice.dense_step_kb")
     parser.add_argument("--expert-rows", type=int, default=EXPERT_ROWS, help="TileChoice.expert_rows")
+    parser.add_argument("--router-rows", type=int, default=ROUTER_ROWS, help="TileChoice.router_rows")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     args = parser.parse_args()
@@ -184,7 +186,8 @@ def main() -> int:
             del staged
         if not args.skip_mono:
             for tokens in args.tokens:
-                tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows)
+                tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
+                                   router_rows=args.router_rows)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, tiles)
         if tp == 8:
             for ctas in args.grids:

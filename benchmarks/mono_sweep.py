@@ -1,10 +1,10 @@
 """The mono launch's knobs at one rank of TP8 (loopback): CTAs per SM (with a
 register cap where the build would not fit that many), the prefetch mode, the
-dense GEMV step (KB of weight a task loads a step) and the rows of an expert
-task, beside the staged path in the same run.
+dense GEMV step (KB of weight a task loads a step), the rows of an expert
+task and of a router task (FMA path, S <= 4), beside the staged path in the same run.
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
-                                    [--dense-step-kb 8 16 32] [--expert-rows 32 16 8]
+                                    [--dense-step-kb 8 16 32] [--expert-rows 32 16 8] [--router-rows 8 4 2]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
 (maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
@@ -20,7 +20,7 @@ import torch
 
 from k3mono.bench import WEIGHT_SETS, _loopback_layers, _time_staged, time_mono
 from k3mono.config import preset
-from k3mono.planner import DENSE_STEP_KB, EXPERT_ROWS, MonoOptions, TileChoice
+from k3mono.planner import DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, MonoOptions, TileChoice
 from k3mono.synthetic import random_shard
 
 
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--dense-step-kb", type=int, nargs="+", default=[DENSE_STEP_KB])
     parser.add_argument("--expert-rows", type=int, nargs="+", default=[EXPERT_ROWS])
+    parser.add_argument("--router-rows", type=int, nargs="+", default=[ROUTER_ROWS])
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args()
     cfg = preset("kimi-k3")
@@ -41,13 +42,13 @@ def main() -> None:
         del layers
         latency = ", ".join(f"{k} {stages[k] * 1e6:.1f}" for k in ("attnres", "route", "latent_norm"))
         print(f"T={args.tp} S={tokens:>2} staged {staged * 1e6:8.1f} us ({latency} us)", flush=True)
-        knobs = itertools.product(args.prefetch, args.ctas, args.dense_step_kb, args.expert_rows)
-        for prefetch, config, step_kb, expert_rows in knobs:
+        knobs = itertools.product(args.prefetch, args.ctas, args.dense_step_kb, args.expert_rows, args.router_rows)
+        for prefetch, config, step_kb, expert_rows, router_rows in knobs:
             ctas, _, cap = config.partition(":")
             label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} ctas/SM {config} dense step {step_kb} KB "
-                     f"expert rows {expert_rows}")
+                     f"expert rows {expert_rows} router rows {router_rows}")
             try:
-                tiles = TileChoice(dense_step_kb=step_kb, expert_rows=expert_rows)
+                tiles = TileChoice(dense_step_kb=step_kb, expert_rows=expert_rows, router_rows=router_rows)
                 options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles)
                 mono = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch,
                                  max_registers=int(cap) if cap else None)

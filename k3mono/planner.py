@@ -67,6 +67,14 @@ SM, half of the ~32 KB HBM latency wants, and the o_proj's K = C/T = 1536 at
 T = 8 is only 3 steps of 512, each a full memory round trip. Measured on the
 H200 (docs/PERF.md, 2026-12-03): 16 and 32 KB were slower; 8 stays."""
 
+ROUTER_ROWS = FMA_TILE[0]
+ROUTER_ROWS_CHOICES = (2, 4, 8)
+"""Rows of a router task on the FMA path (S <= FMA_MAX_TOKENS; tl.dot needs 16).
+The router is on the latency chain (x -> logits -> route -> experts) and has
+only E/T = 112 rows at T = 8: 14 tasks of 8 rows, each streaming 115 KB alone
+(measured: it holds 8.7 us of the mono launch at S = 1). 4 or 2 rows
+(TileChoice.router_rows) make 28 or 56 tasks of the same bytes a step."""
+
 EXPERT_ROWS = 32
 EXPERT_ROWS_CHOICES = (8, 16, 32)
 """Output rows of an MXFP4 expert task. At 32, S = 1 at TP8 has 192 gate/up
@@ -79,16 +87,19 @@ spread the same bytes over 2x or 4x the tasks, each thread holding fewer rows.""
 @dataclass(frozen=True)
 class TileChoice:
     """Task sizes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB and EXPERT_ROWS)."""
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS and ROUTER_ROWS)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     expert_rows: int = EXPERT_ROWS
+    router_rows: int = ROUTER_ROWS
 
     def check(self) -> None:
         if self.dense_step_kb not in DENSE_STEP_KB_CHOICES:
             raise K3InputError(f"tiles.dense_step_kb: expected one of {DENSE_STEP_KB_CHOICES}, got {self.dense_step_kb!r}")
         if self.expert_rows not in EXPERT_ROWS_CHOICES:
             raise K3InputError(f"tiles.expert_rows: expected one of {EXPERT_ROWS_CHOICES}, got {self.expert_rows!r}")
+        if self.router_rows not in ROUTER_ROWS_CHOICES:
+            raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
 
 
 BACK_BLOCK_DV = 64
@@ -253,12 +264,13 @@ def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4) ->
     return GemvTile(rows=min(rows, next_pow2(out_dim)), block_k=min(block_k, next_pow2(in_dim)), warps=warps)
 
 
-def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int) -> GemvTile:
+def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int, fma_rows: int = FMA_TILE[0]) -> GemvTile:
     """A dense bf16 GEMV tile for the path ``use_dot`` selects, its step widened
-    along K to ``step_kb`` KB of weight."""
+    along K to ``step_kb`` KB of weight; on the FMA path ``fma_rows`` rows a task,
+    the step as much longer along K as it has fewer rows (the same bytes a step)."""
     widen = step_kb // DENSE_STEP_KB
     if not use_dot:
-        return _gemv(FMA_TILE[0], out_dim, in_dim, FMA_TILE[1] * widen)
+        return _gemv(fma_rows, out_dim, in_dim, FMA_TILE[1] * widen * FMA_TILE[0] // fma_rows)
     tile = _gemv(DOT_TILE[0], out_dim, in_dim, DOT_TILE[1] * widen)
     return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
 
@@ -277,7 +289,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
         oproj=_dense(H, C // tp, use_dot, step_kb),
-        router=_dense(E // tp, H, use_dot, step_kb),
+        router=_dense(E // tp, H, use_dot, step_kb, tiles.router_rows),
         latent_down=_dense(L // tp, H, use_dot, step_kb),
         shared_gate_up=_dense(SI // tp, H, use_dot, step_kb),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb),

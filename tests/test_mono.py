@@ -268,17 +268,20 @@ def test_any_grid_completes_and_the_last_cta_out_resets_the_counters():
     assert all(same_bits(results[0], other) for other in results[1:])
 
 
-@pytest.mark.parametrize("expert_rows", [8, 16])
-def test_fewer_expert_rows_change_no_bits(expert_rows):
-    """Each output row's MXFP4 sums run over the same group columns in the same
-    order whatever the rows a task holds: more, smaller expert tasks give the
-    same bits (S = 3 at T = 1 on the tiny preset: 4x or 2x the tasks)."""
+@pytest.mark.parametrize("tiles", [TileChoice(expert_rows=8), TileChoice(expert_rows=16), TileChoice(router_rows=2)],
+                         ids=["expert-rows-8", "expert-rows-16", "router-rows-2"])
+def test_smaller_expert_and_router_tasks_change_no_bits(tiles):
+    """Each output row's sums run over the same columns in the same order
+    whatever the rows a task holds (the tiny preset's router step is capped at
+    its 224-wide input either way): more, smaller tasks give the same bits
+    (S = 3 at T = 1: 4x or 2x the expert tasks, 4x the router tasks)."""
     cfg, tokens, layer = preset("tiny"), 3, 13
     shards = shard_all(layer_weights(), cfg, 1)
     inputs = random_inputs(cfg, tokens, layer, seed=41)
     plain = MonoRunner(cfg, shards, tokens, layer)(**inputs)
-    narrow = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=TileChoice(expert_rows=expert_rows)))
-    assert narrow.compiled.table.geometry.expert_down.rows == expert_rows
+    narrow = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
+    geometry = narrow.compiled.table.geometry
+    assert (geometry.expert_down.rows, geometry.router.rows) == (tiles.expert_rows, tiles.router_rows)
     assert same_bits(plain, narrow(**inputs))
 
 

@@ -660,3 +660,22 @@ def test_fewer_expert_rows_make_more_expert_tasks_over_the_same_bytes(rows):
     assert streamed(narrow) == streamed(base)
     with pytest.raises(K3InputError, match="expert_rows"):
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(expert_rows=12)))
+
+
+@pytest.mark.parametrize("rows", [4, 2])
+def test_fewer_router_rows_make_more_router_tasks_of_the_same_step_bytes(rows):
+    """TileChoice.router_rows (FMA path): 8 / rows times the router tasks at S = 1,
+    TP8, each step as many bytes (a longer K step), the same bytes streamed; the
+    tl.dot path (S = 8) keeps its 16-row tile."""
+    cfg = preset("kimi-k3")
+    options = MonoOptions(tiles=TileChoice(router_rows=rows))
+    base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, options)
+    count = lambda t: sum(task.kind == TaskKind.ROUTER for task in t.tasks)  # noqa: E731
+    assert count(narrow) == count(base) * 8 // rows
+    b, n = base.geometry.router, narrow.geometry.router
+    assert n.rows * n.block_k == b.rows * b.block_k
+    streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
+    assert streamed(narrow) == streamed(base)
+    assert plan(cfg, 8, 8, 132, options).geometry.router == plan(cfg, 8, 8, 132).geometry.router
+    with pytest.raises(K3InputError, match="router_rows"):
+        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(router_rows=3)))
