@@ -446,7 +446,7 @@ class MonoOptions:
     SM wants about 32 KB, so more than one may pay; the benchmark decides. It
     never risks a deadlock: a CTA that is not resident holds no ticket.
     tiles (a build-key part, not in ``bits()``): task sizes other than the
-    staged path's (TileChoice: the dense GEMV step, the expert task rows).
+    staged path's (TileChoice: the dense GEMV step, the expert and router task rows).
     """
 
     prefetch_final: bool = False

@@ -346,10 +346,11 @@ def _health_text(rank) -> str | None:
 
 
 def _concurrent_replays(job, cfg, runner, streams, reports, device) -> None:
-    """One CUDA graph a rank, captured on and replayed into the rank's own stream
-    (its green context: a graph holds no context of its own, the stream it is
-    launched into gives its kernels their SMs), the T replays issued together;
-    each timed with events on the rank's stream."""
+    """One CUDA graph a rank, captured on and replayed into the rank's own stream,
+    the T replays issued together, each timed with events on the rank's stream.
+    (One graph holding all T launches, forked onto green-context streams, timed
+    out at its first replay on the H200, 2026-12-03, cause not established; these
+    per-rank graphs passed 100 replays at T = 8.)"""
     sets = [job.inputs(cfg, index, device) for index in range(job.input_sets)]
     static = {name: t.clone() for name, t in sets[0].items()}
     runner.load_inputs(**static)
