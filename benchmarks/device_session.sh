@@ -60,7 +60,7 @@ for s in $STEPS; do
     mla)
         step bench_mla 420 python3 -m k3mono bench --tp --tokens 1 --mla --contexts 32768 1024 131072 --out "$RESULTS" ;;
     sweep)
-        step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3 --prefetch 0 --expert-rows 32 16 8
+        step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     gpus)
         T=$(nvidia-smi -L | wc -l)
