@@ -123,7 +123,8 @@ def gemv_tile(
     # 0 for every task (row0 >= 0) but opaque to the compiler: the x address
     # tiles built from it stay inside the task. Built from kernel arguments
     # alone they were hoisted out of the mono launch's persistent loop and held
-    # registers across every task (offline sm_90a build, S = 8: 255 -> 168).
+    # registers across every task (offline sm_90a builds at S = 8: 255 registers
+    # and 64 B of spills -> 243 and none; 168 with 8-row expert tasks).
     task_zero = row0 >> 31
     rows = tl.minimum(row0 + tl.arange(0, ROWS), N - 1)
     kk = tl.arange(0, BLOCK_K)
