@@ -120,19 +120,13 @@ def gemv_tile(
     UPCAST: tl.constexpr,
 ):
     """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring)."""
-    # 0 for every task (row0 >= 0) but opaque to the compiler: the x address
-    # tiles built from it stay inside the task. Built from kernel arguments
-    # alone they were hoisted out of the mono launch's persistent loop and held
-    # registers across every task (offline sm_90a builds at S = 8: 255 registers
-    # and 64 B of spills -> 243 and none; 168 with 8-row expert tasks).
-    task_zero = row0 >> 31
     rows = tl.minimum(row0 + tl.arange(0, ROWS), N - 1)
     kk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + kk[None, :]
     tok = tl.arange(0, SP)
     if USE_DOT:
         acc = tl.zeros([SP, ROWS], dtype=tl.float32)
-        x_ptrs = x_ptr + task_zero + tok[:, None] * stride_xs + kk[None, :]
+        x_ptrs = x_ptr + tok[:, None] * stride_xs + kk[None, :]
         for k0 in range(0, K, BLOCK_K):
             w = _load_w(w_ptrs, k0, K, BLOCK_K, EVEN_K)
             if EVEN_K:
@@ -146,7 +140,7 @@ def gemv_tile(
         # products a thread holds of one row (register FMAs: no shuffles and no
         # CTA barrier in the loop); the sums across lanes and warps run once.
         tl.static_assert(SP <= FMA_MAX_SP)
-        zero_rows = tl.zeros([ROWS], dtype=tl.int32) + task_zero
+        zero_rows = tl.zeros([ROWS], dtype=tl.int32)
         p0 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p1 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p2 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
