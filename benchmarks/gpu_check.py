@@ -120,14 +120,19 @@ def mono_case(cfg, full, shards, tp: int, tokens: int, device, tiles: TileChoice
     return failures
 
 
-def grid_case(cfg, shards, ctas: int, occupy_sms: int, device) -> int:
-    """One rank of TP8 in loopback at S = 1 on a grid of ``ctas`` CTAs, optionally
-    while a spinning kernel holds ``occupy_sms`` SMs; judged against the default
-    grid's outputs bit for bit. Returns the number of failures."""
-    started = time.time()
+def default_grid_run(cfg, shards, device) -> tuple[dict, object]:
+    """(inputs, outputs) of one rank of TP8 in loopback at S = 1 on the default grid:
+    what every grid case must reproduce bit for bit."""
     inputs = {k: v.to(device) for k, v in random_inputs(cfg, 1, LAYER, seed=4242).items()}
     reference = MonoRunner(cfg, shards, 1, LAYER)
-    expected = reference.layer_post(inputs["core"], inputs["prefix"], inputs["blocks"])
+    return inputs, reference.layer_post(inputs["core"], inputs["prefix"], inputs["blocks"])
+
+
+def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, expected) -> int:
+    """The default_grid_run on a grid of ``ctas`` CTAs, optionally while a spinning
+    kernel holds ``occupy_sms`` SMs; judged against ``expected`` bit for bit.
+    Returns the number of failures."""
+    started = time.time()
     runner = MonoRunner(cfg, shards, 1, LAYER, sms=ctas, options=MonoOptions(ctas_per_sm=1))
     label = f"grid {runner.compiled.grid:>3} CTAs" + (f" beside a kernel on {occupy_sms} SMs" if occupy_sms else "")
     try:
@@ -138,13 +143,12 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device) -> int:
                 _occupy_kernel[(occupy_sms,)](sink, STEPS=OCCUPY_SPIN_STEPS)
         got = runner.layer_post(inputs["core"], inputs["prefix"], inputs["blocks"])
         torch.cuda.synchronize()
-        same = all(torch.equal(getattr(got, name).view(torch.int16), getattr(expected, name).view(torch.int16))
-                   for name in ("moe_out", "prefix")) and torch.equal(got.route_ids, expected.route_ids)
+        same = same_on_every_rank([expected, got])
         verdict = "same bits as the default grid ok" if same else "DIFFERS from the default grid FAIL"
     except RuntimeError as error:
         same, verdict = False, f"FAIL {error}"
     print(f"mono T={runner.tp} S= 1 {label}: {verdict} ({time.time() - started:.0f} s)", flush=True)
-    del runner, reference
+    del runner
     return 0 if same else 1
 
 
@@ -190,10 +194,12 @@ def main() -> int:
                                    router_rows=args.router_rows)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, tiles)
         if tp == 8:
+            inputs, expected = default_grid_run(cfg, shards, device)
             for ctas in args.grids:
-                failures += grid_case(cfg, shards, ctas, 0, device)
+                failures += grid_case(cfg, shards, ctas, 0, device, inputs, expected)
             if args.occupy_sms:
-                failures += grid_case(cfg, shards, device_sms(device) * DEFAULT_CTAS_PER_SM, args.occupy_sms, device)
+                failures += grid_case(cfg, shards, device_sms(device) * DEFAULT_CTAS_PER_SM, args.occupy_sms, device,
+                                      inputs, expected)
         del shards
         torch.cuda.empty_cache()
     print("gpu_check: all ok" if not failures else f"gpu_check: {failures} FAILED")
