@@ -6,6 +6,7 @@
 #   K3MONO_COMMIT=<hash> bash benchmarks/device_session.sh [steps...]
 #
 # Steps (default: all one-GPU steps, in this order): check ranks mla_check bench variants mla sweep
+# (ranks ends with faults, the fault tests alone)
 # (the sweep is where a new knob is decided: put it first when one is pending);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -34,6 +35,11 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its t
     tail -n 12 "$OUT/$name.txt"
 }
 
+faults() {  # one rank never launches: every other one must stop naming it
+    step ranks_fault 60 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --input-sets 1 --absent 3 --out "$RESULTS"
+    step ranks_procs_fault 90 python3 -m k3mono ranks --tp 4 --tokens 1 --mode procs --preset small --input-sets 1 --absent 2 --out "$RESULTS"
+}
+
 nvidia-smi -L
 for s in $STEPS; do
     case $s in
@@ -48,11 +54,12 @@ for s in $STEPS; do
             step "ranks_green_t$T" 90 python3 -m k3mono ranks --tp "$T" --tokens 1 --mode green --replays 100 --out "$RESULTS"
         done
         step ranks_streams_t8 90 python3 -m k3mono ranks --tp 8 --tokens 1 --mode streams --replays 100 --out "$RESULTS"
-        step ranks_fault 60 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --input-sets 1 --absent 3 --out "$RESULTS"
         for T in 2 4 8; do  # the small preset: tiny's 4 heads do not split 8 ways
             step "ranks_procs_t$T" 120 python3 -m k3mono ranks --tp "$T" --tokens 3 --mode procs --preset small --replays 100 --out "$RESULTS"
         done
-        step ranks_procs_fault 90 python3 -m k3mono ranks --tp 4 --tokens 1 --mode procs --preset small --input-sets 1 --absent 2 --out "$RESULTS" ;;
+        faults ;;
+    faults)
+        faults ;;
     bench)
         step bench 420 python3 -m k3mono bench --tp 8 --tokens 1 8 16 --out "$RESULTS" ;;
     variants)

@@ -615,7 +615,7 @@ class MonoRank:
 
     def check_health(self) -> None:
         """Raise MonoTimeout naming rank, task, flag, expected and seen on a failed wait
-        (and, for an exchange, the ranks none of whose pushes arrived)."""
+        (and, across ranks, the first exchange with ranks none of whose pushes arrived)."""
         from .kernels import sync
 
         h = self.health.tolist()
@@ -635,10 +635,22 @@ class MonoRank:
             f"timed out waiting for flag {flag_name} (word {word}): expected {h[sync.H_EXPECTED]}, "
             f"seen {h[sync.H_SEEN]} ({h[sync.H_ALARM]} failed wait(s) on rank {self.rank})"
         )
-        if flag in PEER_FLAGS and self.key.tp > 1 and not self.key.loopback:
-            absent = self.absent_pushes(flag.name.lower(), h[sync.H_EPOCH] & 1)
-            self.broken += f"; exchange {flag.name.lower()}: nothing arrived from rank(s) {absent}" if absent else ""
+        if self.key.tp > 1 and not self.key.loopback:
+            self.broken += self._stalled_exchange(h[sync.H_EPOCH] & 1)
         raise MonoTimeout(f"mono launch: {self.broken}")
+
+    def _stalled_exchange(self, parity: int) -> str:
+        """The first exchange, in the launch's order, that misses some rank's push.
+
+        The failed wait on record need not be the exchange's own: every wait has
+        the same bound, so one downstream of the stall (a local flag that the
+        stalled reduce would have raised) can run out first."""
+        for flag in sorted(PEER_FLAGS):
+            region = flag.name.lower()
+            absent = self.absent_pushes(region, parity)
+            if absent:
+                return f"; exchange {region}: nothing arrived from rank(s) {absent}"
+        return ""
 
     def absent_pushes(self, region: str, parity: int) -> list[int]:
         """Other ranks whose part of ``region`` (a slot, or a column block) is still

@@ -142,6 +142,28 @@ def test_a_wait_that_cannot_be_met_is_a_clear_error():
     assert runner.flags(0).abs().sum() == 0 and runner.epoch(0) == 1
 
 
+def test_a_timeout_downstream_of_a_stalled_exchange_still_names_the_missing_rank():
+    """On the GPU every wait has the same bound, so a wait on a local flag that the
+    stalled reduce would have raised can be the one on record; the host still names
+    the first exchange missing a push. The interpreter's one program always fails at
+    the exchange itself, so the record is rewritten to the downstream wait."""
+    from k3mono.kernels import sync
+    from k3mono.planner import Flag, TaskKind
+
+    cfg, tp, tokens, layer = preset("tiny"), 2, 1, 13
+    shards = shard_all(layer_weights(), cfg, tp)
+    runner = MonoRunner(cfg, shards, tokens, layer, loopback=False, spin_limit=8)
+    runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=5))
+    runner.poison()
+    runner.launch(0)
+    table = runner.rank_states[0].compiled.table
+    ticket = next(i for i, t in enumerate(table.tasks) if t.kind == TaskKind.LATENT_DOWN)
+    runner.health[0][sync.H_TICKET] = ticket
+    runner.health[0][sync.H_WORD] = table.flag_word(Flag.X_READY, 0)
+    with pytest.raises(MonoTimeout, match=r"LATENT_DOWN .*flag X_READY\[0\].*exchange ar1: nothing arrived from rank\(s\) \[1\]"):
+        runner.check_health()
+
+
 def test_prefetch_and_prefetch_final_change_no_bits():
     cfg, tokens, layer = preset("tiny"), 1, 1
     shards = shard_all(layer_weights(), cfg, 1)
