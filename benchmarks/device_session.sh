@@ -65,7 +65,7 @@ for s in $STEPS; do
     variants)
         step mono_variants 420 python3 benchmarks/mono_variants.py --tokens 1 8 ;;
     mla)
-        step bench_mla 420 python3 -m k3mono bench --tp --tokens 1 --mla --contexts 32768 1024 131072 --out "$RESULTS" ;;
+        step bench_mla 500 python3 -m k3mono bench --tp --tokens ${MLA_TOKENS:-1 4 16} --mla --contexts 32768 1024 131072 --out "$RESULTS" ;;
     sweep)
         step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
