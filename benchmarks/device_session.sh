@@ -19,6 +19,8 @@ RESULTS="$OUT/results"
 mkdir -p "$RESULTS"
 STEPS="${*:-check ranks mla_check bench variants mla sweep}"
 BUDGET_S="${K3MONO_BUDGET_S:-560}"
+# The MLA steps' cases (a call rarely has time for all): contexts, cache dtypes, bench tokens.
+MLA_CONTEXTS="${MLA_CONTEXTS:-32768 1024 131072}" MLA_KV="${MLA_KV:-fp8 bf16}" MLA_TOKENS="${MLA_TOKENS:-1 4 16}"
 
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its tail
     local name=$1 limit=$2
@@ -46,7 +48,7 @@ for s in $STEPS; do
     check)
         step gpu_check 300 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 16 ;;
     mla_check)
-        step gpu_check_mla 300 python3 benchmarks/gpu_check_mla.py --tokens 1 4 ;;
+        step gpu_check_mla 300 python3 benchmarks/gpu_check_mla.py --tokens 1 4 --contexts $MLA_CONTEXTS --kv $MLA_KV ;;
     ranks)
         step ranks_green_t8 150 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --replays 100 --out "$RESULTS"
         step ranks_green_t8_s16 120 python3 -m k3mono ranks --tp 8 --tokens 16 --mode green --replays 100 --out "$RESULTS"
@@ -65,7 +67,8 @@ for s in $STEPS; do
     variants)
         step mono_variants 420 python3 benchmarks/mono_variants.py --tokens 1 8 ;;
     mla)
-        step bench_mla 500 python3 -m k3mono bench --tp --tokens ${MLA_TOKENS:-1 4 16} --mla --contexts 32768 1024 131072 --out "$RESULTS" ;;
+        step bench_mla 500 python3 -m k3mono bench --tp --tokens $MLA_TOKENS --mla --contexts $MLA_CONTEXTS --kv $MLA_KV \
+            --out "$RESULTS" ;;
     sweep)
         step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;

@@ -246,9 +246,11 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool = False, contexts=None) -> dict:
+def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool = False, contexts=None,
+              kv_dtypes=None) -> dict:
     """The tables of ``tables`` (none: the MLA rows alone) and, with ``mla``, the
-    MLA rows at ``contexts`` (bench_mla.CONTEXTS by default)."""
+    MLA rows at ``contexts`` and cache dtypes ``kv_dtypes`` (bench_mla.CONTEXTS and
+    KV_DTYPES by default)."""
     if not torch.cuda.is_available():
         from .errors import K3InputError
 
@@ -273,16 +275,17 @@ def run_bench(out_dir: Path, tokens_list=TOKEN_COUNTS, tables=TABLES, mla: bool 
         print(_stage_table(rows, bandwidth), flush=True)
         torch.cuda.empty_cache()
     if mla:
-        from .bench_mla import CONTEXTS, bench_m1b_fold, bench_mla, bench_mla_fused
+        from .bench_mla import CONTEXTS, KV_DTYPES, bench_m1b_fold, bench_mla, bench_mla_fused
 
-        contexts = tuple(contexts or CONTEXTS)
+        contexts, kv_dtypes = tuple(contexts or CONTEXTS), tuple(kv_dtypes or KV_DTYPES)
         print("-- MLA decode: M1c and M1b, one rank of TP8", flush=True)
-        results["mla"] = bench_mla(bandwidth, device, tokens_list, contexts)
+        results["mla"] = bench_mla(bandwidth, device, tokens_list, contexts, kv_dtypes)
         print("-- M1b folded into the mono launch, one rank of TP8", flush=True)
         weight_sets = [random_shard(cfg, 8, seed=s, device=device) for s in range(WEIGHT_SETS)]
         results["m1b_fold"] = bench_m1b_fold(cfg, weight_sets, tokens_list, BENCH_LAYER)
         print("-- MLA layers: separate launches, M1b folded in, M1c and M1b folded in", flush=True)
-        results["mla_fused"] = bench_mla_fused(cfg, weight_sets[0], bandwidth, BENCH_LAYER, tokens_list, contexts)
+        results["mla_fused"] = bench_mla_fused(cfg, weight_sets[0], bandwidth, BENCH_LAYER, tokens_list, contexts,
+                                               kv_dtypes)
         del weight_sets
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{results['date']}-{results['commit']}"

@@ -49,9 +49,10 @@ PAGE_SIZE = 64
 CONTEXTS = (1024, 32768, 131072)
 TOKENS = (1, 4, 16)
 KV_DTYPES = ("fp8", "bf16")
-SPLIT_CHOICES = (16, 64, 132)
+SPLIT_CHOICES = (16, 64, 132, 264)
 """Splits of each request's context. M1c runs S x splits programs (one head
-block at TP8), so S = 1 needs about one split a SM to stream at full rate,
+block at TP8), so S = 1 needs one or two splits a SM (two of its programs fit
+one) to stream at full rate,
 while every split adds 24 KB a token (12 heads x 512 fp32) that M1b reads
 back: the best count depends on S and the context, so it is measured."""
 ROTATE_BYTES = 240 * 10**6
@@ -127,13 +128,13 @@ def rotation(tokens: int, context: int, kv_dtype: str, device) -> list[MlaInputs
 def attn_call(inputs: MlaInputs, splits: int):
     """M1c into fixed outputs: (the call, o, lse)."""
     from .kernels.mla_attn import launch_mla_attn
-    from .mla import ATTN_BLOCK_H, ATTN_BLOCK_N, split_outputs
+    from .mla import ATTN_TILE, split_outputs
 
     o, lse = split_outputs(inputs.q, splits, LATENT_DIM)
 
     def call():
         launch_mla_attn(inputs.q, inputs.kv, inputs.qsl, inputs.seq_lens, inputs.pages, inputs.indptr, inputs.scale,
-                        o, lse, kv_scale=inputs.kv_scale, block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N)
+                        o, lse, kv_scale=inputs.kv_scale, **ATTN_TILE)
 
     return call, o, lse
 

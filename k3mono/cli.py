@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="tables: 8 = one rank of TP8, 1 = whole layer; none (a bare --tp): only the MLA rows")
     bench.add_argument("--mla", action="store_true",
                        help="also the MLA rows (M1c, M1b; separate against folded in) per --tokens and --contexts")
+    bench.add_argument("--kv", nargs="+", default=None, choices=["fp8", "bf16"],
+                       help="MLA rows' cache dtypes (default both)")
     bench.add_argument("--contexts", type=int, nargs="+", default=None,
                        help="MLA rows' context lengths (default 1024 32768 131072)")
 
@@ -212,10 +214,11 @@ def cmd_bench(args) -> int:
             raise K3InputError(f"bench --tp: expected one of {sorted(titles)}, got {tp}")
     if not args.tp and not args.mla:
         raise K3InputError("bench: nothing to run (no --tp table and no --mla)")
-    if args.contexts is not None and not args.mla:
-        raise K3InputError("bench --contexts: only the MLA rows (--mla) take contexts")
+    for option, value in (("--contexts", args.contexts), ("--kv", args.kv)):
+        if value is not None and not args.mla:
+            raise K3InputError(f"bench {option}: only the MLA rows (--mla) take it")
     run_bench(args.out, tuple(args.tokens), tuple((tp, titles[tp]) for tp in args.tp), mla=args.mla,
-              contexts=args.contexts)
+              contexts=args.contexts, kv_dtypes=args.kv)
     return 0
 
 

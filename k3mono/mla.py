@@ -22,8 +22,8 @@ Geometry, and why:
   132 SMs of an H100/H200 once, while the split outputs M1b reads back
   (splits x heads x DL x 4 bytes = 384 KB a token) stay small next to a
   long context's cache read (576 bytes a position in fp8, 1152 in bf16).
-* ``ATTN_BLOCK_H`` and ``ATTN_BLOCK_N``: M1c's tile (16 heads, 32 positions a
-  step), ``BACK_BLOCK_DV`` and ``BACK_BLOCK_K``: M1b's; shared with the mono
+* ``ATTN_BLOCK_H``, ``ATTN_BLOCK_N`` and ``ATTN_STAGES``: M1c's tile (16 heads,
+  32 positions a step, 3 steps in flight), ``BACK_BLOCK_DV`` and ``BACK_BLOCK_K``: M1b's; shared with the mono
   launch's M1C and M1B tasks, so the planner holds them (and why).
 
 ``staged_mla_layer_post`` is an MLA layer's post-attention half staged: M1b
@@ -38,10 +38,13 @@ import torch
 from .errors import K3InputError
 from .kernels.mla_attn import check_mla_attn_args, check_q, launch_mla_attn, shape_text
 from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
-from .planner import ATTN_BLOCK_H, ATTN_BLOCK_N, BACK_BLOCK_DV, BACK_BLOCK_K
+from .planner import ATTN_BLOCK_H, ATTN_BLOCK_N, ATTN_STAGES, BACK_BLOCK_DV, BACK_BLOCK_K
 from .reference.mla import LATENT_DIM
 
 DEFAULT_SPLITS = 16
+
+ATTN_TILE = dict(block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N, stages=ATTN_STAGES)
+"""launch_mla_attn's tile arguments, the planner's (M1cGeometry holds the same)."""
 
 M1B_INPUTS = ("o", "lse", "w_v", "w_v_scale", "gate")
 """The keys of one rank's M1b input dict (mla_back's arguments)."""
@@ -68,7 +71,7 @@ def mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, *, kv_scale=1.0, splits
     """M1c alone: (o [splits, S, heads, DL] fp32, lse [splits, S, heads] fp32)."""
     o, lse = split_outputs(q, splits, latent_dim)
     launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale,
-                    block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N)
+                    **ATTN_TILE)
     return o, lse
 
 
@@ -96,7 +99,7 @@ def mla_decode(q, kv, qsl, seq_lens, pages, indptr, scale, w_v, gate, *, kv_scal
     check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale)
     check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
     launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale,
-                    block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N)
+                    **ATTN_TILE)
     launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, block_k=BACK_BLOCK_K, block_dv=BACK_BLOCK_DV)
     return core
 

@@ -287,10 +287,10 @@ def _m1c_consts(m1c) -> dict:
     """The M1C constexprs; without M1C the branch is compiled out and these are 1s."""
     if m1c is None:
         return dict(M1C=False, M1C_HEADS=1, M1C_B=1, M1C_BP=1, PAGE_SIZE=1, D_ROPE=1, KV_FP8=False, M1C_BH=1,
-                    M1C_HB=1, M1C_BN=1)
+                    M1C_HB=1, M1C_BN=1, M1C_STAGES=1)
     return dict(M1C=True, M1C_HEADS=m1c.heads, M1C_B=m1c.requests, M1C_BP=next_pow2(m1c.requests),
                 PAGE_SIZE=m1c.page_size, D_ROPE=m1c.rope, KV_FP8=m1c.kv_fp8, M1C_BH=m1c.block_h,
-                M1C_HB=m1c.head_blocks, M1C_BN=m1c.block_n)
+                M1C_HB=m1c.head_blocks, M1C_BN=m1c.block_n, M1C_STAGES=m1c.stages)
 
 
 # -- the launcher ----------------------------------------------------------------------------

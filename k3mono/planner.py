@@ -30,7 +30,8 @@ kernel file holds no magic numbers. Why these values:
   w_v tile is read once a launch (``M1bGeometry``).
 * M1c (the MLA decode attention, kernels/mla_attn.py) cuts the work into one
   task (or program) a query token, context split and ``ATTN_BLOCK_H`` heads,
-  ``ATTN_BLOCK_N`` context positions a step (``M1cGeometry``).
+  ``ATTN_BLOCK_N`` context positions a step, ``ATTN_STAGES`` steps in flight
+  (``M1cGeometry``).
 """
 
 from __future__ import annotations
@@ -120,6 +121,12 @@ ATTN_BLOCK_N = 32
 """Context positions an M1c step covers: a 32 x 512 bf16 latent tile is 32 KB
 of shared memory, and the fp32 accumulator [16, 512] another 32 KB of
 registers (64 a thread at 4 warps); larger steps would spill."""
+
+ATTN_STAGES = 3
+"""M1c steps in flight (the context loop's software pipeline): one SM streams a
+split alone at S = 1, and a step (32 cache rows: 18 KB in fp8, 36 KB in bf16)
+covers about a microsecond of HBM latency only if the next two are already
+loading; three 36 KB bf16 stages still fit the 227 KB of an SM."""
 
 
 def next_pow2(n: int) -> int:
@@ -234,6 +241,7 @@ class M1cGeometry:
     kv_fp8: bool
     block_h: int
     block_n: int
+    stages: int
 
     @property
     def head_blocks(self) -> int:
@@ -256,6 +264,7 @@ def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cS
         kv_fp8=shape.kv_fp8,
         block_h=ATTN_BLOCK_H,
         block_n=ATTN_BLOCK_N,
+        stages=ATTN_STAGES,
     )
 
 

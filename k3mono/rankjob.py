@@ -46,8 +46,11 @@ CPU_SPIN = 1 << 20
 """Polls a wait may take in an interpreter rank: a poll is tens of microseconds
 of Python, so about a minute: the peers run the same table at the same pace."""
 FAULT_SPIN = 1 << 10
-"""The bound in a fault run: the absent rank's pushes never come, so a short
-bound only shortens the test."""
+"""The bound of an interpreter rank in a fault run: the absent rank's pushes never
+come, so a short bound only shortens the test. A GPU fault run keeps mono's
+DEFAULT_SPIN (about a second): processes sharing one GPU are time-sliced, so a
+present rank's kernel may not run at all while another spins out a short bound
+(seen on the H200: ranks named present ranks as missing)."""
 SHARED_OUTPUTS = ("moe_out", "prefix", "route_ids", "route_weights")
 
 
@@ -84,9 +87,9 @@ class RanksJob:
     def spin_limit(self) -> int:
         from .mono import DEFAULT_SPIN
 
-        if self.absent is not None:
-            return FAULT_SPIN
-        return CPU_SPIN if self.device == "cpu" else DEFAULT_SPIN
+        if self.device != "cpu":
+            return DEFAULT_SPIN
+        return FAULT_SPIN if self.absent is not None else CPU_SPIN
 
     def config(self) -> K3Config:
         """The run's config (the checkpoint's, or the preset), its layer validated."""

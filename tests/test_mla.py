@@ -206,8 +206,7 @@ def run_attn_kernel(batch: Batch, splits: int):
     tokens, heads, _ = batch.q.shape
     o = torch.full((splits, tokens, heads, batch.w_v.shape[-1]), float("nan"), device=DEVICE)
     lse = torch.full((splits, tokens, heads), float("nan"), device=DEVICE)
-    launch_mla_attn(*device_batch.layout, o, lse, kv_scale=batch.kv_scale,
-                    block_h=mla.ATTN_BLOCK_H, block_n=mla.ATTN_BLOCK_N)
+    launch_mla_attn(*device_batch.layout, o, lse, kv_scale=batch.kv_scale, **mla.ATTN_TILE)
     return o.cpu(), lse.cpu()
 
 

@@ -22,6 +22,11 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 UPCAST_DOT = INTERPRET
 BF16_BY_BITS = tl.constexpr(INTERPRET)
+RANGE_BY_WHILE = tl.constexpr(INTERPRET)
+"""The interpreter cannot run tl.range over bounds computed at run time (with
+numpy 2 it calls int() on a one-element array and fails): such loops run as
+while loops there and as software-pipelined for loops in compiled builds,
+both over the same step function."""
 
 _BF16_SHIFT = tl.constexpr(16)  # a bf16 is the high half of an fp32
 _BF16_HALF_ULP = tl.constexpr(0x7FFF)  # round-to-nearest: half an ulp, less one, plus the odd bit

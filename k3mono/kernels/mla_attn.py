@@ -42,7 +42,7 @@ from ..config import MAX_TOKENS
 from ..errors import K3InputError, expect_tensor
 from ..planner import next_pow2
 from . import common
-from .common import as_f32, dot_acc, to_bf16
+from .common import RANGE_BY_WHILE, as_f32, dot_acc, to_bf16
 
 FP8 = torch.float8_e4m3fn
 DOT_MIN = 16  # tl.dot's smallest M, N and K
@@ -118,6 +118,49 @@ def _load_cols(
 
 
 @triton.jit
+def _attend_step(
+    pos0,  # the step's first context position
+    hi,  # the split's end
+    m,  # [BLOCK_H] fp32 running max
+    l,  # [BLOCK_H] fp32 running sum
+    acc,  # [BLOCK_H, D_LATENT] fp32
+    q_lat,  # [BLOCK_H, D_LATENT] bf16
+    q_rope,  # [BLOCK_H, D_ROPE] bf16
+    kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3
+    stride_kvp,
+    stride_kvr,
+    kv_scale,
+    pages_ptr,  # [num_slots] int32
+    first_slot,
+    scale,
+    PAGE_SIZE: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One online-softmax step over positions pos0 .. pos0 + BLOCK_N - 1 (those < hi): (m, l, acc)."""
+    lat = tl.arange(0, D_LATENT)
+    rope = D_LATENT + tl.arange(0, D_ROPE)
+    pos = pos0 + tl.arange(0, BLOCK_N)
+    live = pos < hi
+    rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
+    kv_lat = _load_cols(rows, live, lat, kv_scale, KV_FP8)  # [BLOCK_N, D_LATENT]: keys and values
+    kv_rope = _load_cols(rows, live, rope, kv_scale, KV_FP8)  # [BLOCK_N, D_ROPE]
+    score = dot_acc(q_lat, tl.trans(kv_lat), tl.zeros([q_lat.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
+    score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
+    score = tl.where(live[None, :], score * scale, float("-inf"))
+    # The first position of every step is live, so m_new is finite.
+    m_new = tl.maximum(m, tl.max(score, axis=1))
+    rescale = tl.exp(m - m_new)
+    p = to_bf16(tl.exp(score - m_new[:, None]))
+    l = l * rescale + tl.sum(as_f32(p), axis=1)
+    acc = dot_acc(p, kv_lat, acc * rescale[:, None], UPCAST)
+    return m_new, l, acc
+
+
+@triton.jit
 def mla_attn_task(
     s,  # the query token
     k,  # the split
@@ -150,6 +193,7 @@ def mla_attn_task(
     SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,  # steps of the context loop in flight (software pipeline)
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -171,24 +215,18 @@ def mla_attn_task(
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
-    pos0 = lo
-    while pos0 < hi:
-        pos = pos0 + tl.arange(0, BLOCK_N)
-        live = pos < hi
-        rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
-        kv_lat = _load_cols(rows, live, lat, kv_scale, KV_FP8)  # [BLOCK_N, D_LATENT]: keys and values
-        kv_rope = _load_cols(rows, live, rope, kv_scale, KV_FP8)  # [BLOCK_N, D_ROPE]
-        score = dot_acc(q_lat, tl.trans(kv_lat), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
-        score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
-        score = tl.where(live[None, :], score * scale, float("-inf"))
-        # The first position of every step is live, so m_new is finite.
-        m_new = tl.maximum(m, tl.max(score, axis=1))
-        rescale = tl.exp(m - m_new)
-        p = to_bf16(tl.exp(score - m_new[:, None]))
-        l = l * rescale + tl.sum(as_f32(p), axis=1)
-        acc = dot_acc(p, kv_lat, acc * rescale[:, None], UPCAST)
-        m = m_new
-        pos0 += BLOCK_N
+    if RANGE_BY_WHILE:
+        pos0 = lo
+        while pos0 < hi:
+            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr, kv_scale,
+                                     pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
+            pos0 += BLOCK_N
+    else:
+        # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
+        # loads in flight (a while loop streams one step at a time).
+        for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr, kv_scale,
+                                     pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
 
     seen = l > 0
     o = acc / tl.where(seen, l, 1.0)[:, None]
@@ -227,13 +265,14 @@ def _mla_attn_kernel(
     SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     mla_attn_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, stride_qs, stride_qh, kv_ptr,
                   stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr, scale, o_ptr,
                   stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls, HEADS, B, BP, PAGE_SIZE, D_LATENT,
-                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, KV_FP8, UPCAST)
+                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST)
 
 
 def shape_text(t) -> str:
@@ -311,7 +350,8 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
     check_same_device(*named)
 
 
-def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n) -> None:
+def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n,
+                    stages) -> None:
     """M1c into o [splits, S, heads, DL] fp32 and lse [splits, S, heads] fp32 (their shapes
     give splits and DL). q [S, heads, DQK] bf16; kv [pages, page_size, DQK] bf16 or fp8
     e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32."""
@@ -325,6 +365,6 @@ def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_sc
         qsl, seq_lens, pages, indptr, float(scale),
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
-        D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n,
+        D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
         KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT,
     )
