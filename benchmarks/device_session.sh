@@ -6,7 +6,7 @@
 #   K3MONO_COMMIT=<hash> bash benchmarks/device_session.sh [steps...]
 #
 # Steps (default: all one-GPU steps, in this order): check ranks mla_check bench variants mla sweep
-# (ranks ends with faults, the fault tests alone)
+# (ranks ends with faults, the fault tests alone); m1b: M1b alone and folded, briefly
 # (the sweep is where a new knob is decided: put it first when one is pending);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -72,6 +72,8 @@ for s in $STEPS; do
     sweep)
         step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
+    m1b)
+        step m1b_timing 200 python3 benchmarks/m1b_timing.py ;;
     gpus)
         T=$(nvidia-smi -L | wc -l)
         for S in 1 4 16; do

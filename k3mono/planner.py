@@ -103,14 +103,16 @@ class TileChoice:
             raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
 
 
-BACK_BLOCK_DV = 64
+BACK_BLOCK_DV = 32
 """Value rows of one head an M1b task (or program) produces: 2 a head, 24 tasks
 at TP8 (12 heads of 128), so M1b spreads over a fifth of an H200 while each
 task still reads an 8 KB bf16 w_v tile a step."""
 
-BACK_BLOCK_K = 64
-"""Latent columns an M1b step covers: an 8 KB bf16 w_v tile (64 x 64) and a
-[16, 64] fp32 tile of each split's o a step."""
+BACK_PAIRS = 16
+"""Rows of M1c's split outputs o, (split, token) pairs, an M1b combine step reads
+at once: [16, 512] fp32 is 32 KB (64 registers a thread at 4 warps), and 16 is
+tl.dot's smallest K; at S = 1 the 16 splits the mono launch folds in are one
+step, so the combine waits out a single load."""
 
 
 ATTN_BLOCK_H = 16
@@ -177,7 +179,7 @@ class M1bShape:
 class M1bGeometry:
     """M1b in a rank's launch: ``heads`` = num_attention_heads / T heads of
     ``value`` = v_head_dim rows, cut into tasks of ``block_dv`` rows of one
-    head (all S tokens; ``tokens_pad`` for tl.dot), ``block_k`` latent columns a step."""
+    head (all S tokens; ``tokens_pad`` for tl.dot), ``pairs`` rows of o a combine step."""
 
     heads: int
     value: int
@@ -186,7 +188,7 @@ class M1bGeometry:
     w_v_fp8: bool
     tokens_pad: int
     block_dv: int
-    block_k: int
+    pairs: int
 
     @property
     def blocks_per_head(self) -> int:
@@ -206,7 +208,7 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape) -> M1bGeo
         w_v_fp8=shape.w_v_fp8,
         tokens_pad=max(DOT_MIN_TOKENS, next_pow2(tokens)),  # the w_v dot's M is the tokens
         block_dv=min(BACK_BLOCK_DV, cfg.v_head_dim),
-        block_k=min(BACK_BLOCK_K, shape.latent),
+        pairs=BACK_PAIRS,
     )
 
 

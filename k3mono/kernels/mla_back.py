@@ -2,8 +2,8 @@
 
 Shapes: S tokens (SP: padded to a power of two, at least 16 for tl.dot),
 HEADS this rank's heads, SPLITS (SPLITS_P padded) context splits of M1c,
-D_LATENT the latent width (BLOCK_K a step), D_V the head's value width
-(v_head_dim: 128 in Kimi-K3; BLOCK_DV a program).
+D_LATENT the latent width (whole rows of o a step, PAIRS splits' of one token), D_V the
+head's value width (v_head_dim: 128 in Kimi-K3; BLOCK_DV a program).
 
 Program, or mono task (``mla_back_task``: kernels/mono.py runs it as the M1B
 tasks of an MLA layer's launch): (h, block of BLOCK_DV value rows d), for
@@ -14,7 +14,8 @@ every token s at once:
     y[s, d]    = o_c[s] . w_v[h, d, :]                        fp32 (fp8 w_v: bf16(fp32(w_v) * w_v_scale))
     core[s, h*D_V + d] = bf16(y[s, d] * sigmoid(gate[s, h*D_V + d]))
 
-These are reference/mla.py's bf16-mode roundings. All tokens share a
+These are reference/mla.py's bf16-mode roundings (the sum over splits in another
+association: fp32 rounding of the same terms). All tokens share a
 program so each w_v tile is read once for the launch (w_v is the one large
 read of this stage: heads x 128 x 512 bf16, 1.5 MB a rank at TP8); the
 split outputs o are small and come from L2. D_LATENT and D_V are powers of
@@ -65,7 +66,7 @@ def _total_lse(
 
 
 @triton.jit
-def _combined_cols(
+def _combined_rows(
     o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
     stride_ok,
     stride_os,
@@ -74,24 +75,35 @@ def _combined_cols(
     stride_lk,
     stride_ls,
     h,
-    k0,
     lse_all,  # [SP] fp32
     S: tl.constexpr,
     SP: tl.constexpr,
     SPLITS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    PAIRS: tl.constexpr,  # splits a step
 ):
-    """[SP, BLOCK_K] bf16: o_c[:, k0 : k0 + BLOCK_K], the splits added in order."""
+    """[SP, D_LATENT] fp32: sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :] (0 for padded tokens).
+
+    A step reads PAIRS splits' whole rows of o for one token in one load (at
+    S = 1 and the 16 splits the mono launch folds in: one step), and the steps
+    (token, block of splits) are one pipelined loop. Reading a split at a time
+    per latent block waited out 8 x 16 loads in a row (about 90 us folded into
+    the launch on the H200)."""
+    CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
     tok = tl.arange(0, SP)
-    live = tok < S
-    cols = k0 + tl.arange(0, BLOCK_K)
-    acc = tl.zeros([SP, BLOCK_K], dtype=tl.float32)
-    for k in range(SPLITS):  # a loop, not unrolled: 132 splits x the latent steps unrolled did not compile in minutes
-        lse = tl.load(lse_ptr + k * stride_lk + tok * stride_ls + h, mask=live, other=float("-inf"))
-        o = tl.load(o_ptr + k * stride_ok + tok[:, None] * stride_os + h * stride_oh + cols[None, :],
-                    mask=live[:, None], other=0.0)
-        acc += tl.exp(lse - lse_all)[:, None] * o
-    return to_bf16(acc)
+    lat = tl.arange(0, D_LATENT)
+    acc = tl.zeros([SP, D_LATENT], dtype=tl.float32)
+    for step in tl.range(0, S * CHUNKS):
+        s = step // CHUNKS
+        split = (step % CHUNKS) * PAIRS + tl.arange(0, PAIRS)
+        live = split < SPLITS
+        top = tl.sum(tl.where(tok == s, lse_all, 0.0), axis=0)  # lse_all[s]
+        lse = tl.load(lse_ptr + split * stride_lk + s * stride_ls + h, mask=live, other=float("-inf"))
+        rows = tl.load(o_ptr + split[:, None] * stride_ok + s * stride_os + h * stride_oh + lat[None, :],
+                       mask=live[:, None], other=0.0)
+        row = tl.sum(tl.exp(lse - top)[:, None] * rows, axis=0)  # empty and missing splits weigh 0
+        acc += tl.where((tok == s)[:, None], row[None, :], 0.0)
+    return acc
 
 
 @triton.jit
@@ -119,7 +131,7 @@ def mla_back_task(
     SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    PAIRS: tl.constexpr,  # splits' rows of o (one token) a combine step
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -130,13 +142,10 @@ def mla_back_task(
     live = tok < S
 
     lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
-    w_rows = w_v_ptr + h * stride_wh + rows[:, None] * stride_wd
-    y = tl.zeros([SP, BLOCK_DV], dtype=tl.float32)
-    for k0 in tl.static_range(0, D_LATENT, BLOCK_K):
-        o_c = _combined_cols(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
-                             h, k0, lse_all, S, SP, SPLITS, BLOCK_K)
-        w = dequant_operand(tl.load(w_rows + k0 + tl.arange(0, BLOCK_K)[None, :]), w_v_scale, W_FP8)
-        y = dot_acc(o_c, tl.trans(w), y, UPCAST)
+    o_c = to_bf16(_combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
+                                 h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS))
+    w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
+    y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([SP, BLOCK_DV], dtype=tl.float32), UPCAST)
 
     cols = h * D_V + rows
     gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
@@ -166,14 +175,14 @@ def _mla_back_kernel(
     SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    PAIRS: tl.constexpr,  # splits' rows of o (one token) a combine step
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     mla_back_task(tl.program_id(0), tl.program_id(1), o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk,
                   stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs,
-                  S, SP, SPLITS, SPLITS_P, D_LATENT, D_V, BLOCK_K, BLOCK_DV, W_FP8, UPCAST)
+                  S, SP, SPLITS, SPLITS_P, D_LATENT, D_V, PAIRS, BLOCK_DV, W_FP8, UPCAST)
 
 
 def check_w_v(w_v) -> tuple[int, int, int]:
@@ -205,10 +214,10 @@ def check_mla_back_args(o, lse, w_v, gate, core, w_v_scale) -> None:
     check_same_device(*named)
 
 
-def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, block_k, block_dv) -> None:
+def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, pairs, block_dv) -> None:
     """M1b into core [S, heads * DV] bf16. o [splits, S, heads, DL] fp32 and lse
     [splits, S, heads] fp32 from M1c; w_v [heads, DV, DL] bf16 or fp8 e4m3 (w_v_scale);
-    gate [S, heads * DV] bf16. block_k and block_dv are capped at DL and DV."""
+    gate [S, heads * DV] bf16. pairs: rows of o a combine step; block_dv is capped at DV."""
     check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
     splits, tokens, heads, latent = o.shape
     value = w_v.shape[1]
@@ -217,6 +226,6 @@ def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, block_k, block_dv
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         w_v, w_v.stride(0), w_v.stride(1), float(w_v_scale), gate, gate.stride(0), core, core.stride(0),
         S=tokens, SP=max(DOT_MIN, next_pow2(tokens)), SPLITS=splits, SPLITS_P=next_pow2(splits),
-        D_LATENT=latent, D_V=value, BLOCK_K=min(block_k, latent), BLOCK_DV=block_dv,
+        D_LATENT=latent, D_V=value, PAIRS=pairs, BLOCK_DV=block_dv,
         W_FP8=w_v.dtype == FP8, UPCAST=common.UPCAST_DOT,
     )

@@ -1,0 +1,46 @@
+"""M1b alone at several split counts, and M1b folded into the mono launch (one
+rank of TP8, loopback) against the plain launch: the short device check of an
+M1b change (``bench --mla`` runs the same rows among many more).
+
+    python benchmarks/m1b_timing.py [--tokens 1 16] [--splits 16 132 264] [--fold-tokens 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    from k3mono.bench import BENCH_LAYER, WEIGHT_SETS
+    from k3mono.bench_mla import attn_call, back_call, bench_m1b_fold, rotation
+    from k3mono.config import preset
+    from k3mono.synthetic import random_shard
+    from k3mono.timing import time_graph
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--splits", type=int, nargs="+", default=[16, 132, 264])
+    parser.add_argument("--fold-tokens", type=int, nargs="*", default=[1])
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    for tokens in args.tokens:
+        sets = rotation(tokens, 1024, "bf16", device)
+        for splits in args.splits:
+            backs = []
+            for inputs in sets:
+                attend, o, lse = attn_call(inputs, splits)
+                attend()
+                backs.append(back_call(inputs, o, lse)[0])
+            print(f"M1b alone S={tokens:>2} {splits:>3} splits: {1e6 * time_graph(backs):7.1f} us", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    if args.fold_tokens:
+        cfg = preset("kimi-k3")
+        weight_sets = [random_shard(cfg, 8, seed=s, device=device) for s in range(WEIGHT_SETS)]
+        bench_m1b_fold(cfg, weight_sets, args.fold_tokens, BENCH_LAYER)
+
+
+if __name__ == "__main__":
+    main()
