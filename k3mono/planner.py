@@ -104,9 +104,10 @@ class TileChoice:
 
 
 BACK_BLOCK_DV = 32
-"""Value rows of one head an M1b task (or program) produces: 2 a head, 24 tasks
-at TP8 (12 heads of 128), so M1b spreads over a fifth of an H200 while each
-task still reads an 8 KB bf16 w_v tile a step."""
+"""Value rows of one head an M1b task (or program) produces: 4 a head, 48 tasks
+at TP8 (12 heads of 128), so M1b spreads over a third of an H200; a task's w_v
+tile is 32 rows x the whole latent (32 KB in bf16, 64 registers a thread at 4
+warps), read in one load after the splits are combined."""
 
 BACK_PAIRS = 16
 """Rows of M1c's split outputs o, (split, token) pairs, an M1b combine step reads
