@@ -142,12 +142,12 @@ def attn_call(inputs: MlaInputs, splits: int):
 def back_call(inputs: MlaInputs, o, lse, core=None):
     """M1b from o and lse into a fixed core (a new one, or ``core``): (the call, core)."""
     from .kernels.mla_back import launch_mla_back
-    from .mla import BACK_BLOCK_DV, BACK_PAIRS, core_like
+    from .mla import BACK_TILE, core_like
 
     core = core_like(inputs.gate) if core is None else core
 
     def call():
-        launch_mla_back(o, lse, inputs.w_v, inputs.gate, core, pairs=BACK_PAIRS, block_dv=BACK_BLOCK_DV)
+        launch_mla_back(o, lse, inputs.w_v, inputs.gate, core, **BACK_TILE)
 
     return call, core
 

@@ -109,11 +109,21 @@ at TP8 (12 heads of 128), so M1b spreads over a third of an H200; a task's w_v
 tile is 32 rows x the whole latent (32 KB in bf16, 64 registers a thread at 4
 warps), read in one load after the splits are combined."""
 
-BACK_PAIRS = 16
-"""Rows of M1c's split outputs o, (split, token) pairs, an M1b combine step reads
-at once: [16, 512] fp32 is 32 KB (64 registers a thread at 4 warps), and 16 is
-tl.dot's smallest K; at S = 1 the 16 splits the mono launch folds in are one
-step, so the combine waits out a single load."""
+BACK_PAIRS = 8
+"""Splits' rows of o (one token's) an M1b combine step reads at once: [8, 512]
+fp32 is 16 KB (32 registers a thread at 4 warps). The steps are one pipelined
+loop, so at S = 1 the 16 splits the mono launch folds in are two steps whose
+loads are in flight together. 16 rows a step (one step) left the mono launch
+with M1b folded in at 248 B of spills in an offline sm_90a build; 8 rows, 16 B."""
+
+BACK_STAGES = 3
+"""M1b combine steps in flight in M1b's own launch (at 264 splits and S = 1, 33
+steps: unpipelined, each would wait out its load)."""
+
+MONO_BACK_STAGES = 1
+"""The same folded into the mono launch: there the pipeline's buffers push the
+kernel into spills (offline sm_90a, S = 1: 176 B of stack with 3 stages, 16 B
+with 1), and the fold's 16 splits at S = 1 are two steps: not pipelined."""
 
 
 ATTN_BLOCK_H = 16
@@ -180,7 +190,8 @@ class M1bShape:
 class M1bGeometry:
     """M1b in a rank's launch: ``heads`` = num_attention_heads / T heads of
     ``value`` = v_head_dim rows, cut into tasks of ``block_dv`` rows of one
-    head (all S tokens; ``tokens_pad`` for tl.dot), ``pairs`` rows of o a combine step."""
+    head (all S tokens; ``tokens_pad`` for tl.dot), ``pairs`` rows of o a combine
+    step, ``stages`` combine steps in flight."""
 
     heads: int
     value: int
@@ -190,6 +201,7 @@ class M1bGeometry:
     tokens_pad: int
     block_dv: int
     pairs: int
+    stages: int
 
     @property
     def blocks_per_head(self) -> int:
@@ -210,6 +222,7 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape) -> M1bGeo
         tokens_pad=max(DOT_MIN_TOKENS, next_pow2(tokens)),  # the w_v dot's M is the tokens
         block_dv=min(BACK_BLOCK_DV, cfg.v_head_dim),
         pairs=BACK_PAIRS,
+        stages=MONO_BACK_STAGES,
     )
 
 

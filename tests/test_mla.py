@@ -235,7 +235,7 @@ def test_mla_back_kernel_within_budget(w_v_dtype):
     assert lse.isneginf().any()
     core = torch.full(batch.gate.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
     launch_mla_back(o.to(DEVICE), lse.to(DEVICE), batch.w_v.to(DEVICE), batch.gate.to(DEVICE), core,
-                    w_v_scale=batch.w_v_scale, pairs=mla.BACK_PAIRS, block_dv=mla.BACK_BLOCK_DV)
+                    w_v_scale=batch.w_v_scale, **mla.BACK_TILE)
     assert not core.isnan().any()
     assert_within_budget("core", core.cpu(), ref_back(batch, o, lse, "bf16"), ref_back(batch, o, lse, "oracle"))
 

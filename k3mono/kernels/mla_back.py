@@ -81,19 +81,22 @@ def _combined_rows(
     SPLITS: tl.constexpr,
     D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,  # splits a step
+    STAGES: tl.constexpr,  # steps in flight
 ):
     """[SP, D_LATENT] fp32: sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :] (0 for padded tokens).
 
-    A step reads PAIRS splits' whole rows of o for one token in one load (at
-    S = 1 and the 16 splits the mono launch folds in: one step), and the steps
-    (token, block of splits) are one pipelined loop. Reading a split at a time
-    per latent block waited out 8 x 16 loads in a row (about 90 us folded into
-    the launch on the H200)."""
+    A step reads PAIRS splits' whole rows of o for one token in one load, and
+    the steps (token, block of splits) are one pipelined loop (at S = 1 and the
+    16 splits the mono launch folds in: two steps, in flight together). Reading
+    a split at a time per latent block waited out 8 x 16 loads in a row (about
+    90 us folded into the launch on the H200)."""
     CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
     tok = tl.arange(0, SP)
     lat = tl.arange(0, D_LATENT)
     acc = tl.zeros([SP, D_LATENT], dtype=tl.float32)
-    for step in tl.range(0, S * CHUNKS):
+    # num_stages always given: without it the loads are not pipelined at all
+    # (plain LDG in an offline sm_90a build; cp.async with it above 1)
+    for step in tl.range(0, S * CHUNKS, num_stages=STAGES):
         s = step // CHUNKS
         split = (step % CHUNKS) * PAIRS + tl.arange(0, PAIRS)
         live = split < SPLITS
@@ -132,6 +135,7 @@ def mla_back_task(
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
     PAIRS: tl.constexpr,  # splits' rows of o (one token) a combine step
+    STAGES: tl.constexpr,  # combine steps in flight
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -143,7 +147,7 @@ def mla_back_task(
 
     lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
     o_c = to_bf16(_combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
-                                 h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS))
+                                 h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS, STAGES))
     w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
     y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([SP, BLOCK_DV], dtype=tl.float32), UPCAST)
 
@@ -176,13 +180,14 @@ def _mla_back_kernel(
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
     PAIRS: tl.constexpr,  # splits' rows of o (one token) a combine step
+    STAGES: tl.constexpr,  # combine steps in flight
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     mla_back_task(tl.program_id(0), tl.program_id(1), o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk,
                   stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs,
-                  S, SP, SPLITS, SPLITS_P, D_LATENT, D_V, PAIRS, BLOCK_DV, W_FP8, UPCAST)
+                  S, SP, SPLITS, SPLITS_P, D_LATENT, D_V, PAIRS, STAGES, BLOCK_DV, W_FP8, UPCAST)
 
 
 def check_w_v(w_v) -> tuple[int, int, int]:
@@ -214,10 +219,11 @@ def check_mla_back_args(o, lse, w_v, gate, core, w_v_scale) -> None:
     check_same_device(*named)
 
 
-def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, pairs, block_dv) -> None:
+def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, pairs, stages, block_dv) -> None:
     """M1b into core [S, heads * DV] bf16. o [splits, S, heads, DL] fp32 and lse
     [splits, S, heads] fp32 from M1c; w_v [heads, DV, DL] bf16 or fp8 e4m3 (w_v_scale);
-    gate [S, heads * DV] bf16. pairs: rows of o a combine step; block_dv is capped at DV."""
+    gate [S, heads * DV] bf16. pairs: rows of o a combine step, stages: steps in flight;
+    block_dv is capped at DV."""
     check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
     splits, tokens, heads, latent = o.shape
     value = w_v.shape[1]
@@ -226,6 +232,6 @@ def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, pairs, block_dv) 
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         w_v, w_v.stride(0), w_v.stride(1), float(w_v_scale), gate, gate.stride(0), core, core.stride(0),
         S=tokens, SP=max(DOT_MIN, next_pow2(tokens)), SPLITS=splits, SPLITS_P=next_pow2(splits),
-        D_LATENT=latent, D_V=value, PAIRS=pairs, BLOCK_DV=block_dv,
+        D_LATENT=latent, D_V=value, PAIRS=pairs, STAGES=stages, BLOCK_DV=block_dv,
         W_FP8=w_v.dtype == FP8, UPCAST=common.UPCAST_DOT,
     )
