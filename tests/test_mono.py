@@ -122,14 +122,19 @@ def test_two_launches_flip_parity_without_host_reset():
         assert runner.health[r].tolist()[0] == 0
 
 
-def test_a_wait_that_cannot_be_met_is_a_clear_error():
+def _rank_zero_alone() -> MonoRunner:
     """T = 2 without loopback, rank 0 launched alone: rank 1's AR1 pushes never come."""
     cfg, tp, tokens, layer = preset("tiny"), 2, 1, 13
-    shards = shard_all(layer_weights(), cfg, tp)
-    runner = MonoRunner(cfg, shards, tokens, layer, loopback=False, spin_limit=8)
+    runner = MonoRunner(cfg, shard_all(layer_weights(), cfg, tp), tokens, layer, loopback=False, spin_limit=8)
     runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=5))
     runner.poison()
     runner.launch(0)
+    return runner
+
+
+def test_a_wait_that_cannot_be_met_is_a_clear_error():
+    """Rank 0 launched alone (_rank_zero_alone)."""
+    runner = _rank_zero_alone()
     with pytest.raises(MonoTimeout, match=r"rank 0 layer 13 .*REDUCE1 tile 0.* flag AR1\[0\].*expected \d+, seen \d+"):
         runner.check_health()
     assert runner.ctl(0).tolist() == [0, 0], "the stopped launch still resets its ticket counter"
@@ -150,12 +155,7 @@ def test_a_timeout_downstream_of_a_stalled_exchange_still_names_the_missing_rank
     from k3mono.kernels import sync
     from k3mono.planner import Flag, TaskKind
 
-    cfg, tp, tokens, layer = preset("tiny"), 2, 1, 13
-    shards = shard_all(layer_weights(), cfg, tp)
-    runner = MonoRunner(cfg, shards, tokens, layer, loopback=False, spin_limit=8)
-    runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=5))
-    runner.poison()
-    runner.launch(0)
+    runner = _rank_zero_alone()
     table = runner.rank_states[0].compiled.table
     ticket = next(i for i, t in enumerate(table.tasks) if t.kind == TaskKind.LATENT_DOWN)
     runner.health[0][sync.H_TICKET] = ticket
