@@ -111,10 +111,10 @@ warps), read in one load after the splits are combined."""
 
 BACK_PAIRS = 8
 """Splits' rows of o (one token's) an M1b combine step reads at once: [8, 512]
-fp32 is 16 KB (32 registers a thread at 4 warps). The steps are one pipelined
-loop, so at S = 1 the 16 splits the mono launch folds in are two steps whose
-loads are in flight together. 16 rows a step (one step) left the mono launch
-with M1b folded in at 248 B of spills in an offline sm_90a build; 8 rows, 16 B."""
+fp32 is 16 KB (32 registers a thread at 4 warps); at S = 1 the 16 splits the
+mono launch folds in are two steps. 16 rows a step (one step) left the mono
+launch with M1b folded in at 248 B of spills in an offline sm_90a build; 8 rows,
+16 B."""
 
 BACK_STAGES = 3
 """M1b combine steps in flight in M1b's own launch (at 264 splits and S = 1, 33

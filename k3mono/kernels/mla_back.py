@@ -2,8 +2,9 @@
 
 Shapes: S tokens (SP: padded to a power of two, at least 16 for tl.dot),
 HEADS this rank's heads, SPLITS (SPLITS_P padded) context splits of M1c,
-D_LATENT the latent width (whole rows of o a step, PAIRS splits' of one token), D_V the
-head's value width (v_head_dim: 128 in Kimi-K3; BLOCK_DV a program).
+D_LATENT the latent width (a combine step reads whole rows of o: PAIRS splits'
+of one token), D_V the head's value width (v_head_dim: 128 in Kimi-K3; BLOCK_DV
+a program).
 
 Program, or mono task (``mla_back_task``: kernels/mono.py runs it as the M1B
 tasks of an MLA layer's launch): (h, block of BLOCK_DV value rows d), for
@@ -86,10 +87,9 @@ def _combined_rows(
     """[SP, D_LATENT] fp32: sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :] (0 for padded tokens).
 
     A step reads PAIRS splits' whole rows of o for one token in one load, and
-    the steps (token, block of splits) are one pipelined loop (at S = 1 and the
-    16 splits the mono launch folds in: two steps, in flight together). Reading
-    a split at a time per latent block waited out 8 x 16 loads in a row (about
-    90 us folded into the launch on the H200)."""
+    the steps (token, block of splits) are one loop, STAGES of them in flight.
+    Reading a split at a time per latent block waited out 8 x 16 loads in a row
+    (about 90 us folded into the launch on the H200)."""
     CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
     tok = tl.arange(0, SP)
     lat = tl.arange(0, D_LATENT)
@@ -149,7 +149,8 @@ def mla_back_task(
     o_c = to_bf16(_combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
                                  h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS, STAGES))
     w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
-    y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([SP, BLOCK_DV], dtype=tl.float32), UPCAST)
+    w = dequant_operand(w, w_v_scale, W_FP8)
+    y = dot_acc(o_c, tl.trans(w), tl.zeros([SP, BLOCK_DV], dtype=tl.float32), UPCAST)
 
     cols = h * D_V + rows
     gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
