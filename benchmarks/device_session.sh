@@ -21,6 +21,8 @@ STEPS="${*:-check ranks mla_check bench variants mla sweep}"
 BUDGET_S="${K3MONO_BUDGET_S:-560}"
 # The MLA steps' cases (a call rarely has time for all): contexts, cache dtypes, bench tokens.
 MLA_CONTEXTS="${MLA_CONTEXTS:-32768 1024 131072}" MLA_KV="${MLA_KV:-fp8 bf16}" MLA_TOKENS="${MLA_TOKENS:-1 4 16}"
+# The mono check's token counts (issue 4 asks for 1 2 4 8 16; each adds 15 to 30 s).
+CHECK_TOKENS="${CHECK_TOKENS:-1 16}"
 
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its tail
     local name=$1 limit=$2
@@ -46,7 +48,7 @@ nvidia-smi -L
 for s in $STEPS; do
     case $s in
     check)
-        step gpu_check 300 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 16 ;;
+        step gpu_check 300 python3 benchmarks/gpu_check.py --skip-staged --tokens $CHECK_TOKENS ;;
     mla_check)
         step gpu_check_mla 300 python3 benchmarks/gpu_check_mla.py --tokens 1 4 --contexts $MLA_CONTEXTS --kv $MLA_KV ;;
     ranks)
