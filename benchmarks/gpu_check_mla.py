@@ -52,9 +52,11 @@ def staged_case(tokens: int, context: int, kv_dtype: str, device) -> bool:
 
 
 def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str) -> bool:
-    from k3mono.bench_mla import mla_fused_calls
+    from k3mono.bench_mla import fused_splits, mla_fused_calls
+    from k3mono.mono import device_sms
 
-    calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13)
+    splits = fused_splits(tokens, device_sms(shard.o_proj.device))
+    calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13, splits=splits)
     outs, problem = [], None
     for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
         runner.poison()
@@ -68,7 +70,7 @@ def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str) -> bool:
         outs.append(runner.result(0).moe_out)
     same = all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
     ok = problem is None and same and bool(torch.isfinite(outs[0].float()).all())
-    print(f"MLA layer three ways {kv_dtype:>4} ctx {context:>6} S={tokens:>2}: "
+    print(f"MLA layer three ways {kv_dtype:>4} ctx {context:>6} S={tokens:>2} {splits:>3} splits: "
           f"{'same bits' if same else 'DIFFER'} {problem or ''} {'ok' if ok else 'FAIL'}", flush=True)
     return ok
 

@@ -23,7 +23,7 @@ the same weights, at each S: the issue's "folding M1b in adds at most
 1.5 us".
 
 The fused MLA rows (``bench_mla_fused``), per (cache dtype, context, S),
-rank 0 of TP8 in loopback:
+rank 0 of TP8 in loopback, M1c at ``fused_splits`` (about two programs a SM):
 
     separate   M1c, M1b, then the plain mono launch: three launches
     m1b        M1c, then the mono launch with M1b folded in
@@ -276,10 +276,18 @@ def mla_layer_inputs(cfg, tokens: int, context: int, kv_dtype: str, tp: int, dev
     return m1c_in, dict(w_v=attn.w_v, w_v_scale=1.0, gate=attn.gate)
 
 
-def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shard, layer: int) -> dict:
-    """The three ways to run one MLA layer of rank 0 (loopback), as calls on
-    loaded runners: {"separate", "m1b", "m1c"} -> call. Rank 0's inputs are every
-    rank's (the loopback pre-writes come from the same staged chain)."""
+def fused_splits(tokens: int, sms: int) -> int:
+    """M1c splits of an MLA layer's rows: two of M1c's programs a SM over the S
+    tokens (M1c at 132 splits and S = 1 streams 4x as fast as at 16: PERF.md), at
+    least FOLD_SPLITS."""
+    return max(FOLD_SPLITS, 2 * sms // tokens)
+
+
+def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shard, layer: int,
+                    splits: int = FOLD_SPLITS) -> dict:
+    """The three ways to run one MLA layer of rank 0 (loopback), M1c at ``splits``,
+    as calls on loaded runners: {"separate", "m1b", "m1c"} -> call. Rank 0's inputs
+    are every rank's (the loopback pre-writes come from the same staged chain)."""
     import dataclasses
 
     from .mono import DEFAULT_CTAS_PER_SM, MonoRunner
@@ -290,10 +298,10 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     ranks = [dataclasses.replace(shard, rank=r) for r in range(tp)]
     act = {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=7).items()}
     m1c_in, back_in = mla_layer_inputs(cfg, tokens, context, kv_dtype, tp, device, seed=11)
-    m1b = M1bShape(splits=FOLD_SPLITS, latent=LATENT_DIM)
+    m1b = M1bShape(splits=splits, latent=LATENT_DIM)
     m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens, kv_fp8=kv_dtype == "fp8")
     attn = MlaInputs(gate=back_in["gate"], w_v=back_in["w_v"], **m1c_in)
-    attend, o, lse = attn_call(attn, FOLD_SPLITS)
+    attend, o, lse = attn_call(attn, splits)
     attend()  # the split outputs the m1b runner's M1b reads
     staged_back, core = back_call(attn, o, lse)
     staged_back()
@@ -316,19 +324,22 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
 
 def bench_mla_fused(cfg, shard, bandwidth: float, layer: int, tokens_list=TOKENS, contexts=CONTEXTS,
                     kv_dtypes=KV_DTYPES) -> list[dict]:
-    """Per (cache dtype, context, S): the separate, M1b-folded and M1c-folded launches (us) and the floor."""
+    """Per (cache dtype, context, S): the separate, M1b-folded and M1c-folded launches (us) and the floor,
+    M1c at fused_splits."""
     from .floor import floor_bytes
+    from .mono import device_sms
     from .timing import time_graph
 
     rows = []
     for kv_dtype in kv_dtypes:
         for context in contexts:
             for tokens in tokens_list:
-                calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer)
+                splits = fused_splits(tokens, device_sms(shard.o_proj.device))
+                calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer, splits)
                 m1b, m1c = calls["shapes"]
                 floor = floor_bytes(cfg, shard.tp, tokens, m1b=m1b, m1c=m1c, context=tokens * context,
                                     nblocks=cfg.num_blocks(layer))
-                row = {"kv": kv_dtype, "context": context, "tokens": tokens,
+                row = {"kv": kv_dtype, "context": context, "tokens": tokens, "splits": splits,
                        "floor_us": 1e6 * floor["total"] / bandwidth}
                 for name in ("separate", "m1b", "m1c"):
                     row[f"{name}_us"] = 1e6 * time_graph([calls[name]])
@@ -336,7 +347,7 @@ def bench_mla_fused(cfg, shard, bandwidth: float, layer: int, tokens_list=TOKENS
                 for runner in calls["runners"]:
                     runner.check_health()
                 rows.append(row)
-                print(f"{kv_dtype:>4} ctx {context:>6} S={tokens:>2}: floor {row['floor_us']:8.1f}  separate "
+                print(f"{kv_dtype:>4} ctx {context:>6} S={tokens:>2} {splits:>3} splits: floor {row['floor_us']:8.1f}  separate "
                       f"{row['separate_us']:8.1f}  M1b folded {row['m1b_us']:8.1f}  M1c+M1b folded {row['m1c_us']:8.1f} us",
                       flush=True)
                 del calls

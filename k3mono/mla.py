@@ -49,7 +49,7 @@ ATTN_TILE = dict(block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N, stages=ATTN_STAGES)
 
 BACK_TILE = dict(pairs=BACK_PAIRS, stages=BACK_STAGES, block_dv=BACK_BLOCK_DV)
 """launch_mla_back's tile arguments, the planner's (the mono launch's M1bGeometry
-takes MONO_BACK_STAGES)."""
+does not pipeline a short combine: FOLD_UNPIPELINED_STEPS)."""
 
 M1B_INPUTS = ("o", "lse", "w_v", "w_v_scale", "gate")
 """The keys of one rank's M1b input dict (mla_back's arguments)."""

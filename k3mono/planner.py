@@ -117,13 +117,14 @@ launch with M1b folded in at 248 B of spills in an offline sm_90a build; 8 rows,
 16 B."""
 
 BACK_STAGES = 3
-"""M1b combine steps in flight in M1b's own launch (at 264 splits and S = 1, 33
-steps: unpipelined, each would wait out its load)."""
+"""M1b combine steps in flight (at 264 splits and S = 1, 33 steps: unpipelined,
+each would wait out its load)."""
 
-MONO_BACK_STAGES = 1
-"""The same folded into the mono launch: there the pipeline's buffers push the
-kernel into spills (offline sm_90a, S = 1: 176 B of stack with 3 stages, 16 B
-with 1), and the fold's 16 splits at S = 1 are two steps: not pipelined."""
+FOLD_UNPIPELINED_STEPS = 2
+"""Folded into the mono launch, a combine of at most this many steps is not
+pipelined: there the pipeline's buffers push the kernel into spills (offline
+sm_90a, 16 splits at S = 1, two steps: 176 B of stack with 3 stages, 16 B with
+none), which two loads in a row do not repay; longer combines pipeline."""
 
 
 ATTN_BLOCK_H = 16
@@ -222,7 +223,7 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape) -> M1bGeo
         tokens_pad=max(DOT_MIN_TOKENS, next_pow2(tokens)),  # the w_v dot's M is the tokens
         block_dv=min(BACK_BLOCK_DV, cfg.v_head_dim),
         pairs=BACK_PAIRS,
-        stages=MONO_BACK_STAGES,
+        stages=1 if tokens * -(-shape.splits // BACK_PAIRS) <= FOLD_UNPIPELINED_STEPS else BACK_STAGES,
     )
 
 
