@@ -1,7 +1,9 @@
 """The mono launch's knobs at one rank of TP8 (loopback): CTAs per SM (with a
 register cap where the build would not fit that many), the prefetch mode, the
 dense GEMV step (KB of weight a task loads a step), the rows of an expert
-task and of a router task (FMA path, S <= 4), beside the staged path in the same run.
+task and of a router task (FMA path, S <= 4), beside the staged path at the same
+tiles in the same run (its stages too: whether smaller tasks help where the
+grid, not a register budget, sets how many warps an SM holds).
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
                                     [--dense-step-kb 8 16 32] [--expert-rows 32 16 8] [--router-rows 8 4 2]
@@ -24,6 +26,20 @@ from k3mono.planner import DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, MonoOptions,
 from k3mono.synthetic import random_shard
 
 
+STAGES_SHOWN = ("attnres", "route", "latent_norm", "router", "expert_gate_up", "expert_down")
+"""The staged stages a sweep line prints: the latency chain's and those the tiles size."""
+
+
+def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> str:
+    """The staged path at ``tiles``: the whole and STAGES_SHOWN (us)."""
+    layers = _loopback_layers(cfg, tp, tokens, sets, tiles=tiles)
+    whole, stages = _time_staged(layers)
+    del layers
+    shown = ", ".join(f"{k} {stages[k] * 1e6:.1f}" for k in STAGES_SHOWN)
+    return (f"dense step {tiles.dense_step_kb} KB expert rows {tiles.expert_rows} router rows {tiles.router_rows}: "
+            f"{whole * 1e6:8.1f} us ({shown} us)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
@@ -37,11 +53,9 @@ def main() -> None:
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     for tokens in args.tokens:
-        layers = _loopback_layers(cfg, args.tp, tokens, sets)
-        staged, stages = _time_staged(layers)
-        del layers
-        latency = ", ".join(f"{k} {stages[k] * 1e6:.1f}" for k in ("attnres", "route", "latent_norm"))
-        print(f"T={args.tp} S={tokens:>2} staged {staged * 1e6:8.1f} us ({latency} us)", flush=True)
+        staged_tiles = itertools.product(args.dense_step_kb, args.expert_rows, args.router_rows)
+        for tiles in dict.fromkeys(TileChoice(dense_step_kb=k, expert_rows=e, router_rows=r) for k, e, r in staged_tiles):
+            print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
         knobs = itertools.product(args.prefetch, args.ctas, args.dense_step_kb, args.expert_rows, args.router_rows)
         for prefetch, config, step_kb, expert_rows, router_rows in knobs:
             ctas, _, cap = config.partition(":")

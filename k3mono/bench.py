@@ -75,14 +75,16 @@ def run_metadata() -> dict:
     }
 
 
-def _loopback_layers(cfg, tp: int, tokens: int, weight_sets: list):
-    """One StagedLayer per weight set; every rank shares rank 0's tensors; one full run fills the peers."""
+def _loopback_layers(cfg, tp: int, tokens: int, weight_sets: list, tiles=None):
+    """One StagedLayer per weight set (``tiles``: a TileChoice, default the planner's);
+    every rank shares rank 0's tensors; one full run fills the peers."""
+    from .planner import TileChoice
     from .staged import StagedLayer
 
     layers = []
     for seed, shard in enumerate(weight_sets):
         ranks = [dataclasses.replace(shard, rank=r) for r in range(tp)]
-        layer = StagedLayer(cfg, ranks, tokens, BENCH_LAYER)
+        layer = StagedLayer(cfg, ranks, tokens, BENCH_LAYER, tiles=tiles or TileChoice())
         inputs = random_inputs(cfg, tokens, BENCH_LAYER, seed=1000 + seed)
         layer.load_inputs(**{k: v.to(shard.o_proj.device) for k, v in inputs.items()})
         layer.run()

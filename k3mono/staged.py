@@ -45,7 +45,7 @@ from .kernels.route import launch_route
 from .kernels.router import launch_router
 from .kernels.shared import launch_shared_gate_up
 from .layout import layout_bytes, peer_layout, region_views, scratch_layout
-from .planner import stage_geometry
+from .planner import TileChoice, stage_geometry
 from .validate import check_layer_inputs
 from .weights import LayerWeights, check_weights
 
@@ -92,13 +92,15 @@ def _check_shards(cfg: K3Config, shards) -> int:
 
 
 class StagedLayer:
-    """layer_post for ``tokens`` tokens at ``layer``, T = len(shards) ranks on the shards' device."""
+    """layer_post for ``tokens`` tokens at ``layer``, T = len(shards) ranks on the shards' device;
+    ``tiles`` the task sizes (the mono launch's TileChoice: the same bits, benchmarks/mono_sweep.py)."""
 
-    def __init__(self, cfg: K3Config, shards: list[LayerWeights], tokens: int, layer: int):
+    def __init__(self, cfg: K3Config, shards: list[LayerWeights], tokens: int, layer: int,
+                 tiles: TileChoice = TileChoice()):
         cfg.validate_layer(layer)
         self.tp = _check_shards(cfg, shards)
         self.cfg, self.shards, self.tokens, self.layer = cfg, list(shards), tokens, layer
-        self.geom = stage_geometry(cfg, self.tp, tokens)
+        self.geom = stage_geometry(cfg, self.tp, tokens, tiles=tiles)
         self.device = shards[0].o_proj.device
         self.nb = cfg.num_blocks(layer)
         S, H = tokens, cfg.hidden_size

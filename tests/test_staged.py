@@ -145,3 +145,20 @@ def test_routes_that_differ_are_judged_on_the_implementations_own_logits():
     assert verdict.logits_err > 1e-3 and not verdict.routes_ok  # logits too far from the reference's
     wrong = dict(own, route_ids=ref.route_ids.flip(0))
     assert not oracle.judge(dict(wrong, router_logits=ref.trace["router_logits"])).routes_ok
+
+
+def test_smaller_tiles_give_the_same_bits():
+    """The staged path at the mono launch's other TileChoices (benchmarks/mono_sweep.py
+    times both): smaller expert and router tasks split the same sums the same way."""
+    from k3mono.planner import TileChoice
+
+    cfg, tp, tokens, layer = preset("tiny"), 2, 3, 13
+    inputs = on_device(random_inputs(cfg, tokens, layer, seed=31))
+    shards = [w.to(DEVICE) for w in shard_all(layer_weights(), cfg, tp)]
+    plain = StagedLayer(cfg, shards, tokens, layer)(**inputs)
+    small = StagedLayer(cfg, shards, tokens, layer, tiles=TileChoice(expert_rows=8, router_rows=2))(**inputs)
+    for name in ("moe_out", "prefix", "route_ids", "route_weights"):
+        a, b = getattr(plain, name), getattr(small, name)
+        if a.is_floating_point():
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), name
