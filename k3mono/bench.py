@@ -30,6 +30,7 @@ import torch
 
 from .config import preset
 from .floor import floor_bytes
+from .planner import TileChoice
 from .synthetic import random_inputs, random_shard
 from .timing import copy_bandwidth, time_graph
 
@@ -75,16 +76,15 @@ def run_metadata() -> dict:
     }
 
 
-def _loopback_layers(cfg, tp: int, tokens: int, weight_sets: list, tiles=None):
-    """One StagedLayer per weight set (``tiles``: a TileChoice, default the planner's);
-    every rank shares rank 0's tensors; one full run fills the peers."""
-    from .planner import TileChoice
+def _loopback_layers(cfg, tp: int, tokens: int, weight_sets: list, tiles: TileChoice = TileChoice()):
+    """One StagedLayer per weight set at ``tiles``; every rank shares rank 0's tensors;
+    one full run fills the peers."""
     from .staged import StagedLayer
 
     layers = []
     for seed, shard in enumerate(weight_sets):
         ranks = [dataclasses.replace(shard, rank=r) for r in range(tp)]
-        layer = StagedLayer(cfg, ranks, tokens, BENCH_LAYER, tiles=tiles or TileChoice())
+        layer = StagedLayer(cfg, ranks, tokens, BENCH_LAYER, tiles=tiles)
         inputs = random_inputs(cfg, tokens, BENCH_LAYER, seed=1000 + seed)
         layer.load_inputs(**{k: v.to(shard.o_proj.device) for k, v in inputs.items()})
         layer.run()
