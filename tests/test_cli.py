@@ -120,12 +120,14 @@ def test_check_passes_on_its_built_in_default(tmp_path, capsys):
 def test_plan_shows_an_mla_layers_table_with_m1b_first(capsys):
     import re
 
+    from k3mono.config import preset
     from k3mono.planner import BACK_BLOCK_DV
 
     assert main(["plan", "--tokens", "1", "--tp", "8", "--sms", "132", "--m1b-splits", "16"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"^\d+-\d+\s", line)]
-    m1b_tasks = 96 // 8 * 128 // BACK_BLOCK_DV  # every head's value rows, BACK_BLOCK_DV a task
+    cfg = preset("kimi-k3")
+    m1b_tasks = cfg.num_attention_heads // 8 * cfg.v_head_dim // BACK_BLOCK_DV  # every head's value rows, BACK_BLOCK_DV a task
     assert rows[0].split()[1] == "M1B" and f"CORE[0]>={m1b_tasks}" in rows[1] and rows[1].split()[1] == "OPROJ"
     streamed = re.search(r"([\d.]+) MB weights streamed", out).group(1)
     assert re.search(rf"floor:\s+{streamed} MB weights", out), out
