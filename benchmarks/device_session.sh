@@ -7,7 +7,8 @@
 #
 # Steps (default: all one-GPU steps, in this order): check ranks mla_check bench variants mla sweep
 # (ranks ends with faults, the fault tests alone); m1b: M1b alone and folded, briefly
-# (the sweep is where a new knob is decided: put it first when one is pending);
+# (the sweep is where a new knob is decided: put it first when one is pending); profile:
+# Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -23,6 +24,7 @@ BUDGET_S="${K3MONO_BUDGET_S:-560}"
 MLA_CONTEXTS="${MLA_CONTEXTS:-32768 1024 131072}" MLA_KV="${MLA_KV:-fp8 bf16}" MLA_TOKENS="${MLA_TOKENS:-1 4 16}"
 # The mono check's token counts (issue 4 asks for these; each adds 15 to 30 s).
 CHECK_TOKENS="${CHECK_TOKENS:-1 2 4 8 16}"
+NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
 
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its tail
     local name=$1 limit=$2
@@ -76,6 +78,11 @@ for s in $STEPS; do
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     m1b)
         step m1b_timing 200 python3 benchmarks/m1b_timing.py ;;
+    profile)  # Nsight Compute counters of every staged stage and the mono launch, S = 1 and 8
+        for S in 1 8; do
+            step "profile_s$S" 150 ncu --clock-control none --profile-from-start off $NCU_SECTIONS \
+                python3 benchmarks/profile_stages.py --tokens "$S" --mono
+        done ;;
     gpus)
         T=$(nvidia-smi -L | wc -l)
         for S in 1 4 16; do
