@@ -8,7 +8,8 @@
 # Steps (default: all one-GPU steps, in this order): check ranks mla_check bench variants mla sweep
 # (ranks ends with faults, the fault tests alone); m1b: M1b alone and folded, briefly
 # (the sweep is where a new knob is decided: put it first when one is pending); profile:
-# Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8);
+# Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8); stalls: all
+# counters of the expert stages and the mono launch (S = 1); tiles: the sweep's expert tiles only;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
