@@ -243,7 +243,7 @@ def test_route_all_equal_scores_pick_the_lowest_ids():
 
 
 def test_route_negative_scores_multiway_ties_and_zero():
-    """The bitwise threshold search (kernels/route.py) on keys of both signs:
+    """The packed keys (kernels/route.py) of both signs:
     biased scores below zero, a run of eight equal scores straddling the K
     boundary (three in, the rest out, by id), and a tie at exactly zero."""
     cfg = preset("kimi-k3")

@@ -8,12 +8,21 @@ Shapes: S tokens, E experts (EP = next power of two), K experts per token.
     w       = sc[ids] / (sum(sc[ids]) + 1e-20) * routed_scaling_factor   [S, K] fp32
 
 Equal to reference.stages.select_experts / route: a stable descending sort
-takes the lower id among equal scores, and so does tl.argmax
-(tie_break_left=True, Triton 3.6: on equal values the lower index wins).
+takes the lower id among equal scores, and so does the packed key below.
 
-One task per token: K rounds of argmax, each marking its winner; the marks
-are then written in id order, the store position of a marked expert being
-the number of marked experts up to it (an inclusive cumsum, minus one).
+One task per token. Each expert's biased score becomes one int64 key: the
+score's fp32 bits made order-preserving as a signed int32 (negative values
+have their magnitude bits flipped) in the high half, E_PAD - 1 - id in the
+low half, so keys are distinct, order by score, and among equal scores the
+lower id has the larger key. ``tl.topk`` (a bitonic top-K) returns the K_PAD
+largest keys; the first K hold the chosen ids, which ``tl.sort`` puts in
+ascending order (padding slots hold E_PAD and sort last). The weights read
+the chosen experts' logits again (one cached load of K values). Beside K
+rounds of block-wide argmax this is about two thirds of the instructions and
+a sixth of the barriers (sm_90a build, E = 896, K = 16: 2192 instructions and
+9 barriers against 3368 and 56), on the path from the router to the experts.
+A biased score is never -0 (sigmoid > 0 and x + y is -0 only for two -0s),
+so +0 and -0 never tie in the float order while differing in the key.
 Every rank routes the same gathered logits, so every rank gets the same ids.
 """
 
@@ -27,6 +36,17 @@ from ..errors import expect_tensor
 from .common import sigmoid
 
 RENORM_EPS = tl.constexpr(1e-20)  # k3-math.md: w = sc[idx] / (sum(sc[idx]) + 1e-20)
+ID_BITS = tl.constexpr(32)  # a key's low half holds E_PAD - 1 - id
+ID_MASK = tl.constexpr(0xFFFFFFFF)
+MAGNITUDE_BITS = tl.constexpr(0x7FFFFFFF)
+SIGN_SPREAD = tl.constexpr(31)  # arithmetic shift: all ones for a negative fp32, zeros otherwise
+
+
+@triton.jit
+def ordered_bits(x):
+    """fp32 (no NaN) -> int32 in the same order: negative values' magnitude bits flipped."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> SIGN_SPREAD) & MAGNITUDE_BITS)
 
 
 @triton.jit
@@ -41,24 +61,24 @@ def route_task(
     K: tl.constexpr,
     E_PAD: tl.constexpr,  # next power of two >= E
 ):
+    K_PAD: tl.constexpr = triton.next_power_of_2(K)  # tl.topk takes a power of two
     experts = tl.arange(0, E_PAD)
     real = experts < E
-    scores = sigmoid(tl.load(logits_ptr + token * E + experts, mask=real, other=0.0))
+    logits = logits_ptr + token * E
+    scores = sigmoid(tl.load(logits + experts, mask=real, other=0.0))
     bias = tl.load(bias_ptr + experts, mask=real, other=0.0)
-    # Padding and chosen experts sit at -inf so argmax never returns them
-    # while a real candidate is left (K <= E).
+    # Padding sits at -inf: below every real candidate (K <= E).
     candidates = tl.where(real, scores + bias, -float("inf"))
-    chosen = tl.zeros((E_PAD,), tl.int1)
-    for _ in tl.static_range(K):
-        best = tl.argmax(candidates, axis=0, tie_break_left=True)
-        won = experts == best
-        chosen = chosen | won
-        candidates = tl.where(won, -float("inf"), candidates)
-    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-    total = tl.sum(tl.where(chosen, scores, 0.0), axis=0)
-    weights = scores / (total + RENORM_EPS) * scaling
-    tl.store(ids_ptr + token * K + slot, experts, mask=chosen)
-    tl.store(weights_ptr + token * K + slot, weights, mask=chosen)
+    keys = (ordered_bits(candidates).to(tl.int64) << ID_BITS) | (E_PAD - 1 - experts).to(tl.int64)
+    top = tl.topk(keys, K_PAD)  # descending
+    slot = tl.arange(0, K_PAD)
+    live = slot < K
+    ids = tl.sort(tl.where(live, (E_PAD - 1) - (top & ID_MASK).to(tl.int32), E_PAD))
+    chosen = sigmoid(tl.load(logits + ids, mask=live, other=0.0))
+    total = tl.sum(tl.where(live, chosen, 0.0), axis=0)
+    weights = chosen / (total + RENORM_EPS) * scaling
+    tl.store(ids_ptr + token * K + slot, ids, mask=live)
+    tl.store(weights_ptr + token * K + slot, weights, mask=live)
 
 
 @triton.jit
