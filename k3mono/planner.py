@@ -107,7 +107,7 @@ BACK_BLOCK_DV = 32
 """Value rows of one head an M1b task (or program) produces: 4 a head, 48 tasks
 at TP8 (12 heads of 128), so M1b spreads over a third of an H200; a task's w_v
 tile is 32 rows x the whole latent (32 KB in bf16, 64 registers a thread at 4
-warps), read in one load after the splits are combined."""
+warps), read in one load issued before the splits are combined."""
 
 BACK_PAIRS = 8
 """Splits' rows of o (one token's) an M1b combine step reads at once: [8, 512]
@@ -124,7 +124,8 @@ FOLD_UNPIPELINED_STEPS = 2
 """Folded into the mono launch, a combine of at most this many steps is not
 pipelined: there the pipeline's buffers push the kernel into spills (offline
 sm_90a, 16 splits at S = 1, two steps: 176 B of stack with 3 stages, 16 B with
-none), which two loads in a row do not repay; longer combines pipeline."""
+none); unpipelined, the short combine is unrolled, so its loads issue together
+(kernels/mla_back.py); longer combines pipeline."""
 
 
 ATTN_BLOCK_H = 16

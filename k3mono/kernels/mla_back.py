@@ -67,6 +67,39 @@ def _total_lse(
 
 
 @triton.jit
+def _combine_step(
+    acc,  # [SP, D_LATENT] fp32
+    step,  # (token, block of PAIRS splits), token-major
+    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
+    stride_ok,
+    stride_os,
+    stride_oh,
+    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
+    stride_lk,
+    stride_ls,
+    h,
+    lse_all,  # [SP] fp32
+    SP: tl.constexpr,
+    SPLITS: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    PAIRS: tl.constexpr,
+):
+    """acc + one token's PAIRS splits' rows of o, weighed by exp(lse - lse_all), in that token's row."""
+    CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
+    tok = tl.arange(0, SP)
+    lat = tl.arange(0, D_LATENT)
+    s = step // CHUNKS
+    split = (step % CHUNKS) * PAIRS + tl.arange(0, PAIRS)
+    live = split < SPLITS
+    top = tl.sum(tl.where(tok == s, lse_all, 0.0), axis=0)  # lse_all[s]
+    lse = tl.load(lse_ptr + split * stride_lk + s * stride_ls + h, mask=live, other=float("-inf"))
+    rows = tl.load(o_ptr + split[:, None] * stride_ok + s * stride_os + h * stride_oh + lat[None, :],
+                   mask=live[:, None], other=0.0)
+    row = tl.sum(tl.exp(lse - top)[:, None] * rows, axis=0)  # empty and missing splits weigh 0
+    return acc + tl.where((tok == s)[:, None], row[None, :], 0.0)
+
+
+@triton.jit
 def _combined_rows(
     o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
     stride_ok,
@@ -82,30 +115,28 @@ def _combined_rows(
     SPLITS: tl.constexpr,
     D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,  # splits a step
-    STAGES: tl.constexpr,  # steps in flight
+    STAGES: tl.constexpr,  # steps in flight; 1: a short combine, unrolled
 ):
     """[SP, D_LATENT] fp32: sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :] (0 for padded tokens).
 
     A step reads PAIRS splits' whole rows of o for one token in one load, and
     the steps (token, block of splits) are one loop, STAGES of them in flight.
     Reading a split at a time per latent block waited out 8 x 16 loads in a row
-    (about 90 us folded into the launch on the H200)."""
+    (about 90 us folded into the launch on the H200). A short combine (STAGES
+    1, planner.FOLD_UNPIPELINED_STEPS) is straight-line code, so its loads
+    issue together instead of one after the other's use."""
     CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
-    tok = tl.arange(0, SP)
-    lat = tl.arange(0, D_LATENT)
     acc = tl.zeros([SP, D_LATENT], dtype=tl.float32)
-    # num_stages always given: without it the loads are not pipelined at all
-    # (plain LDG in an offline sm_90a build; cp.async with it above 1)
-    for step in tl.range(0, S * CHUNKS, num_stages=STAGES):
-        s = step // CHUNKS
-        split = (step % CHUNKS) * PAIRS + tl.arange(0, PAIRS)
-        live = split < SPLITS
-        top = tl.sum(tl.where(tok == s, lse_all, 0.0), axis=0)  # lse_all[s]
-        lse = tl.load(lse_ptr + split * stride_lk + s * stride_ls + h, mask=live, other=float("-inf"))
-        rows = tl.load(o_ptr + split[:, None] * stride_ok + s * stride_os + h * stride_oh + lat[None, :],
-                       mask=live[:, None], other=0.0)
-        row = tl.sum(tl.exp(lse - top)[:, None] * rows, axis=0)  # empty and missing splits weigh 0
-        acc += tl.where((tok == s)[:, None], row[None, :], 0.0)
+    if STAGES == 1:
+        for step in tl.static_range(S * CHUNKS):
+            acc = _combine_step(acc, step, o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
+                                h, lse_all, SP, SPLITS, D_LATENT, PAIRS)
+    else:
+        # num_stages always given: without it the loads are not pipelined at all
+        # (plain LDG in an offline sm_90a build; cp.async with it above 1)
+        for step in tl.range(0, S * CHUNKS, num_stages=STAGES):
+            acc = _combine_step(acc, step, o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
+                                h, lse_all, SP, SPLITS, D_LATENT, PAIRS)
     return acc
 
 
@@ -145,15 +176,16 @@ def mla_back_task(
     tok = tl.arange(0, SP)
     live = tok < S
 
+    cols = h * D_V + rows
+    # w_v and the gate do not wait on the combine: loaded first, their latency
+    # hides behind its (a folded M1b is on every o_proj task's path).
+    w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
+    gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
     lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
     o_c = to_bf16(_combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
                                  h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS, STAGES))
-    w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
-    w = dequant_operand(w, w_v_scale, W_FP8)
-    y = dot_acc(o_c, tl.trans(w), tl.zeros([SP, BLOCK_DV], dtype=tl.float32), UPCAST)
-
-    cols = h * D_V + rows
-    gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
+    y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([SP, BLOCK_DV], dtype=tl.float32),
+                UPCAST)
     tl.store(core_ptr + tok[:, None] * stride_cs + cols[None, :], to_bf16(y * sigmoid(gate)), mask=live[:, None])
 
 
