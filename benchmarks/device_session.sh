@@ -25,6 +25,7 @@ BUDGET_S="${K3MONO_BUDGET_S:-560}"
 MLA_CONTEXTS="${MLA_CONTEXTS:-32768 1024 131072}" MLA_KV="${MLA_KV:-fp8 bf16}" MLA_TOKENS="${MLA_TOKENS:-1 4 16}"
 # The mono check's token counts (issue 4 asks for these; each adds 15 to 30 s).
 CHECK_TOKENS="${CHECK_TOKENS:-1 2 4 8 16}"
+VARIANT_TOKENS="${VARIANT_TOKENS:-1 8}"  # the variants table's token counts (each about 100 s)
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
 
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its tail
@@ -70,7 +71,7 @@ for s in $STEPS; do
     bench)
         step bench 420 python3 -m k3mono bench --tp 8 --tokens 1 8 16 --out "$RESULTS" ;;
     variants)
-        step mono_variants 420 python3 benchmarks/mono_variants.py --tokens 1 8 ;;
+        step mono_variants 420 python3 benchmarks/mono_variants.py --tokens $VARIANT_TOKENS ;;
     mla)
         step bench_mla 500 python3 -m k3mono bench --tp --tokens $MLA_TOKENS --mla --contexts $MLA_CONTEXTS --kv $MLA_KV \
             --out "$RESULTS" ;;
