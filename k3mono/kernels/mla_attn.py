@@ -19,10 +19,18 @@ L = seq_lens[b]:
     o[k, s, h] = acc / l;  lse[k, s, h] = m + log(l)              fp32; 0 and -inf if hi <= lo
 
 Position t of request b is row t % PAGE_SIZE of page pages[indptr[b] + t // PAGE_SIZE].
-The numerics are reference/mla.py's bf16 mode: q, kv and p are the dots'
-bf16 operands (fp8 kv dequantised in registers to bf16(fp32(kv) * kv_scale)),
-everything else fp32. p is rounded against the running max, the reference's
-against the split's max: other last bits, the same size of error.
+The numerics are reference/mla.py's bf16 mode for a bf16 cache: q, kv and p
+are the dots' bf16 operands, everything else fp32. p is rounded against the
+running max, the reference's against the split's max: other last bits, the
+same size of error. An fp8 (e4m3) cache is not dequantised per element: every
+e4m3 value is exactly an fp16, so the dots take the cache tile converted to
+fp16 (one cvt a pair of values), q as fp16(q * kv_scale) once per task and p
+as fp16, and o is scaled by kv_scale at the end. That is the same function
+with fewer roundings than the reference's bf16(fp32(kv) * kv_scale) per
+element (within its error budget, closer to the oracle); the fp32 multiply
+and bf16 round per cache element it replaces made an fp8 cache slower than a
+bf16 one of twice the bytes (docs/PERF.md). It needs |q| * kv_scale below
+fp16's 65504 (latent queries are O(1) to O(100) and kv_scale is amax / 448).
 
 A program owns one query token, so a request's n query tokens read its cache
 n times; in exchange the grid (S, SPLITS, head blocks) is fixed for a given
@@ -55,6 +63,33 @@ def dequant_operand(x, scale, FP8_IN: tl.constexpr):
         return to_bf16(x.to(tl.float32) * scale)
     else:
         return x
+
+
+@triton.jit
+def _cache_operand(tile, KV_FP8: tl.constexpr):
+    """A cache tile as a dot operand: e4m3 exactly as fp16 (the scale is q's and o's), bf16 as it is."""
+    if KV_FP8:
+        return tile.to(tl.float16)
+    else:
+        return tile
+
+
+@triton.jit
+def _query_operand(q, kv_scale, KV_FP8: tl.constexpr):
+    """q [BLOCK_H, D] bf16 as the score dot's operand: fp16(q * kv_scale) against an fp8 cache."""
+    if KV_FP8:
+        return (as_f32(q) * kv_scale).to(tl.float16)
+    else:
+        return q
+
+
+@triton.jit
+def _weight_operand(p, KV_FP8: tl.constexpr):
+    """Softmax weights (fp32) as the P @ V dot's operand: the cache operand's type."""
+    if KV_FP8:
+        return p.to(tl.float16)
+    else:
+        return to_bf16(p)
 
 
 @triton.jit
@@ -109,12 +144,10 @@ def _load_cols(
     row_ptrs,  # [BLOCK_N] pointers to cache rows
     live,  # [BLOCK_N]
     cols,  # [D] column offsets
-    kv_scale,
     KV_FP8: tl.constexpr,
 ):
-    """[BLOCK_N, D] bf16 cache tile; rows past the range are 0."""
-    tile = tl.load(row_ptrs[:, None] + cols[None, :], mask=live[:, None], other=0.0)
-    return dequant_operand(tile, kv_scale, KV_FP8)
+    """[BLOCK_N, D] cache tile as a dot operand (_cache_operand); rows past the range are 0."""
+    return _cache_operand(tl.load(row_ptrs[:, None] + cols[None, :], mask=live[:, None], other=0.0), KV_FP8)
 
 
 @triton.jit
@@ -124,12 +157,11 @@ def _attend_step(
     m,  # [BLOCK_H] fp32 running max
     l,  # [BLOCK_H] fp32 running sum
     acc,  # [BLOCK_H, D_LATENT] fp32
-    q_lat,  # [BLOCK_H, D_LATENT] bf16
-    q_rope,  # [BLOCK_H, D_ROPE] bf16
+    q_lat,  # [BLOCK_H, D_LATENT] the score dot's operand (_query_operand)
+    q_rope,  # [BLOCK_H, D_ROPE]
     kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3
     stride_kvp,
     stride_kvr,
-    kv_scale,
     pages_ptr,  # [num_slots] int32
     first_slot,
     scale,
@@ -146,15 +178,15 @@ def _attend_step(
     pos = pos0 + tl.arange(0, BLOCK_N)
     live = pos < hi
     rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
-    kv_lat = _load_cols(rows, live, lat, kv_scale, KV_FP8)  # [BLOCK_N, D_LATENT]: keys and values
-    kv_rope = _load_cols(rows, live, rope, kv_scale, KV_FP8)  # [BLOCK_N, D_ROPE]
+    kv_lat = _load_cols(rows, live, lat, KV_FP8)  # [BLOCK_N, D_LATENT]: keys and values
+    kv_rope = _load_cols(rows, live, rope, KV_FP8)  # [BLOCK_N, D_ROPE]
     score = dot_acc(q_lat, tl.trans(kv_lat), tl.zeros([q_lat.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
     score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
     score = tl.where(live[None, :], score * scale, float("-inf"))
     # The first position of every step is live, so m_new is finite.
     m_new = tl.maximum(m, tl.max(score, axis=1))
     rescale = tl.exp(m - m_new)
-    p = to_bf16(tl.exp(score - m_new[:, None]))
+    p = _weight_operand(tl.exp(score - m_new[:, None]), KV_FP8)
     l = l * rescale + tl.sum(as_f32(p), axis=1)
     acc = dot_acc(p, kv_lat, acc * rescale[:, None], UPCAST)
     return m_new, l, acc
@@ -209,8 +241,8 @@ def mla_attn_task(
     first_slot = tl.load(indptr_ptr + b)
 
     q_rows = q_ptr + s * stride_qs + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + lat[None, :], mask=live_h[:, None], other=0.0)  # [BLOCK_H, D_LATENT]
-    q_rope = tl.load(q_rows + rope[None, :], mask=live_h[:, None], other=0.0)  # [BLOCK_H, D_ROPE]
+    q_lat = _query_operand(tl.load(q_rows + lat[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
+    q_rope = _query_operand(tl.load(q_rows + rope[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
 
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -218,17 +250,19 @@ def mla_attn_task(
     if RANGE_BY_WHILE:
         pos0 = lo
         while pos0 < hi:
-            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr, kv_scale,
+            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
                                      pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
             pos0 += BLOCK_N
     else:
         # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
         # loads in flight (a while loop streams one step at a time).
         for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr, kv_scale,
+            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
                                      pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
 
     seen = l > 0
+    if KV_FP8:
+        acc = acc * kv_scale  # the values' scale (the keys' rode on q)
     o = acc / tl.where(seen, l, 1.0)[:, None]
     lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
     tl.store(o_ptr + k * stride_ok + s * stride_os + heads[:, None] * stride_oh + lat[None, :], o, mask=live_h[:, None])
