@@ -79,7 +79,7 @@ for s in $STEPS; do
         step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     m1b)
-        step m1b_timing 200 python3 benchmarks/m1b_timing.py ;;
+        step m1b_timing 200 python3 benchmarks/m1b_timing.py --fold-tokens 1 4 16 ;;
     profile)  # Nsight Compute counters of every staged stage and the mono launch, S = 1 and 8
         for S in 1 8; do
             step "profile_s$S" 150 ncu --clock-control none --profile-from-start off $NCU_SECTIONS \
