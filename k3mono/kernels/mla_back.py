@@ -46,6 +46,18 @@ from .mla_attn import (
 
 
 @triton.jit
+def _ordered_sum(x, LEVELS: tl.constexpr):
+    """x [2^LEVELS, N] -> [N]: the sum over dim 0 as a fixed pairwise tree (rows 2i and
+    2i + 1 first). tl.sum's order follows the layout the compiler gives x, which a
+    kernel and the mono launch choose differently; this order is the same in both,
+    so a folded M1b gives the separate launch's bits."""
+    for _ in tl.static_range(LEVELS):
+        even, odd = tl.split(tl.permute(tl.reshape(x, [x.shape[0] // 2, 2, x.shape[1]]), [0, 2, 1]))
+        x = even + odd
+    return tl.reshape(x, [x.shape[1]])
+
+
+@triton.jit
 def _total_lse(
     lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
     stride_lk,
@@ -55,6 +67,7 @@ def _total_lse(
     SP: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    LEVELS: tl.constexpr,  # log2(SPLITS_P)
 ):
     """[SP] fp32: log-sum-exp over the splits of each token (0 for padded tokens)."""
     split = tl.arange(0, SPLITS_P)
@@ -62,8 +75,8 @@ def _total_lse(
     mask = (split < SPLITS)[:, None] & (tok < S)[None, :]
     lse = tl.load(lse_ptr + split[:, None] * stride_lk + tok[None, :] * stride_ls + h, mask=mask, other=0.0)
     lse = tl.where((split < SPLITS)[:, None], lse, float("-inf"))
-    top = tl.max(lse, axis=0)  # finite: every token sees position 0, in split 0
-    return top + tl.log(tl.sum(tl.exp(lse - top[None, :]), axis=0))
+    top = tl.max(lse, axis=0)  # finite: every token sees position 0, in split 0; a max has no order
+    return top + tl.log(_ordered_sum(tl.exp(lse - top[None, :]), LEVELS))
 
 
 @triton.jit
@@ -84,18 +97,23 @@ def _combine_step(
     D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,
 ):
-    """acc + one token's PAIRS splits' rows of o, weighed by exp(lse - lse_all), in that token's row."""
+    """acc + one token's PAIRS splits' rows of o, weighed by exp(lse - lse_all), in that token's row.
+    The rows are added one by one in split order (a sum over a loaded [PAIRS, D_LATENT]
+    tile would take the order of its layout, which differs between builds)."""
     CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
     tok = tl.arange(0, SP)
     lat = tl.arange(0, D_LATENT)
     s = step // CHUNKS
-    split = (step % CHUNKS) * PAIRS + tl.arange(0, PAIRS)
-    live = split < SPLITS
-    top = tl.sum(tl.where(tok == s, lse_all, 0.0), axis=0)  # lse_all[s]
-    lse = tl.load(lse_ptr + split * stride_lk + s * stride_ls + h, mask=live, other=float("-inf"))
-    rows = tl.load(o_ptr + split[:, None] * stride_ok + s * stride_os + h * stride_oh + lat[None, :],
-                   mask=live[:, None], other=0.0)
-    row = tl.sum(tl.exp(lse - top)[:, None] * rows, axis=0)  # empty and missing splits weigh 0
+    first = (step % CHUNKS) * PAIRS
+    top = tl.sum(tl.where(tok == s, lse_all, 0.0), axis=0)  # lse_all[s]: one live term, exact in any order
+    row = tl.zeros([D_LATENT], dtype=tl.float32)
+    for i in tl.static_range(PAIRS):
+        live = first + i < SPLITS
+        split = tl.minimum(first + i, SPLITS - 1)  # a dead split reads a live address, weighed 0
+        lse = tl.load(lse_ptr + split * stride_lk + s * stride_ls + h)
+        o_row = tl.load(o_ptr + split * stride_ok + s * stride_os + h * stride_oh + lat)
+        # empty splits (lse -inf) and dead ones weigh 0
+        row += tl.where(live, tl.exp(lse - top), 0.0) * o_row
     return acc + tl.where((tok == s)[:, None], row[None, :], 0.0)
 
 
@@ -181,7 +199,7 @@ def mla_back_task(
     # hides behind its (a folded M1b is on every o_proj task's path).
     w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
     gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
-    lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
+    lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P, SPLITS_P.bit_length() - 1)
     o_c = to_bf16(_combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
                                  h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS, STAGES))
     y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([SP, BLOCK_DV], dtype=tl.float32),
