@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from k3mono import mla
 from k3mono.errors import K3InputError
 from k3mono.kernels.mla_attn import launch_mla_attn
-from k3mono.kernels.mla_back import launch_mla_back
+from k3mono.kernels.mla_back import _ordered_sum, launch_mla_back
 from k3mono.reference import mla as ref
 from k3mono.runner import BUDGET_FACTOR, rel_err
 
@@ -252,6 +254,35 @@ def test_mla_decode_at_the_real_widths_within_budget(dtype):
     exact = ref.mla_decode(*batch.layout, batch.w_v, batch.gate, 2, kv_scale=batch.kv_scale,
                            w_v_scale=batch.w_v_scale, mode="oracle")
     assert_within_budget("core", core.cpu(), want, exact)
+
+
+@triton.jit
+def _ordered_sum_kernel(
+    x_ptr,  # fp32 [ROWS, COLS]
+    out_ptr,  # fp32 [COLS] out
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    LEVELS: tl.constexpr,
+):
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    tl.store(out_ptr + cols, _ordered_sum(tl.load(x_ptr + rows[:, None] * COLS + cols[None, :]), LEVELS))
+
+
+def test_m1b_sums_the_splits_in_a_fixed_pairwise_order():
+    """M1b's sum over splits is the pairwise tree (rows 2i and 2i + 1 first, then
+    their sums alike) bit for bit: the order that makes a folded M1b give the M1b
+    kernel's bits whatever layouts the two builds choose (a tl.sum follows them)."""
+    g = torch.Generator().manual_seed(7)
+    rows, cols = 16, 4
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-7, 7, rows)[:, None]  # rounding order shows
+    out = torch.full((cols,), float("nan"), device=DEVICE)
+    _ordered_sum_kernel[(1,)](x.to(DEVICE), out, ROWS=rows, COLS=cols, LEVELS=rows.bit_length() - 1)
+    want = x.clone()
+    while want.shape[0] > 1:
+        want = want[0::2] + want[1::2]
+    assert torch.equal(out.cpu(), want[0])
+    assert not torch.equal(want[0], x.cumsum(0)[-1]), "inputs too tame: sequential and tree sums agree"
 
 
 # -- bad input -------------------------------------------------------------------------------
