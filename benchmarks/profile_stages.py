@@ -32,17 +32,17 @@ def main() -> int:
     layer = _loopback_layers(cfg, args.tp, args.tokens, shards)[0]
     stages = _rank0_stages(layer)
     runner = mono_runners(cfg, args.tp, args.tokens, shards)[0] if args.mono else None
-    for _, stage in stages:
-        stage()
-    if runner is not None:
-        runner.launch(0)
-    torch.cuda.synchronize()
+
+    def run_all() -> None:
+        for _, stage in stages:
+            stage()
+        if runner is not None:
+            runner.launch(0)
+        torch.cuda.synchronize()
+
+    run_all()  # compile and warm, unprofiled
     torch.cuda.profiler.start()
-    for _, stage in stages:
-        stage()
-    if runner is not None:
-        runner.launch(0)
-    torch.cuda.synchronize()
+    run_all()
     torch.cuda.profiler.stop()
     if runner is not None:
         runner.check_health()
