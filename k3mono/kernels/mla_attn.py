@@ -24,7 +24,7 @@ are the dots' bf16 operands, everything else fp32. p is rounded against the
 running max, the reference's against the split's max: other last bits, the
 same size of error. An fp8 (e4m3) cache is not dequantised per element: every
 e4m3 value is exactly an fp16, so the dots take the cache tile converted to
-fp16 (one cvt a pair of values), q as fp16(q * kv_scale) once per task and p
+fp16 (no multiply or rounding a value), q as fp16(q * kv_scale) once a task and p
 as fp16, and o is scaled by kv_scale at the end. That is the same function
 with fewer roundings than the reference's bf16(fp32(kv) * kv_scale) per
 element (within its error budget, closer to the oracle); the fp32 multiply

@@ -137,8 +137,8 @@ def _combined_rows(
 ):
     """[SP, D_LATENT] fp32: sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :] (0 for padded tokens).
 
-    A step reads PAIRS splits' whole rows of o for one token in one load, and
-    the steps (token, block of splits) are one loop, STAGES of them in flight.
+    A step reads PAIRS splits' whole rows of o for one token, and the steps
+    (token, block of splits) are one loop, STAGES of them in flight.
     Reading a split at a time per latent block waited out 8 x 16 loads in a row
     (about 90 us folded into the launch on the H200). A short combine (STAGES
     1, planner.FOLD_UNPIPELINED_STEPS) is straight-line code, so its loads
