@@ -67,9 +67,9 @@ def _total_lse(
     SP: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
-    LEVELS: tl.constexpr,  # log2(SPLITS_P)
 ):
     """[SP] fp32: log-sum-exp over the splits of each token (0 for padded tokens)."""
+    LEVELS: tl.constexpr = SPLITS_P.bit_length() - 1
     split = tl.arange(0, SPLITS_P)
     tok = tl.arange(0, SP)
     mask = (split < SPLITS)[:, None] & (tok < S)[None, :]
@@ -199,7 +199,7 @@ def mla_back_task(
     # hides behind its (a folded M1b is on every o_proj task's path).
     w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
     gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
-    lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P, SPLITS_P.bit_length() - 1)
+    lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
     o_c = to_bf16(_combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
                                  h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS, STAGES))
     y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([SP, BLOCK_DV], dtype=tl.float32),
