@@ -10,6 +10,7 @@
 # (the sweep is where a new knob is decided: put it first when one is pending); profile:
 # Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8); stalls: all
 # counters of the expert stages and the mono launch (S = 1); tiles: the sweep's expert tiles only;
+# outline: the mono launch with its task functions inlined or outlined, at 2 and 3 CTAs a SM;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -78,6 +79,13 @@ for s in $STEPS; do
     sweep)
         step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
+    outline)
+        step mono_outline 300 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 3 --prefetch 0 --outline 0 1 ;;
+    tiles)
+        step mono_tiles 240 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-rows 32 16 8 ;;
+    stalls)  # every counter (the stall reasons among them) of the expert stages and the mono launch, S = 1
+        step stalls_s1 200 ncu --clock-control none --profile-from-start off --set full \
+            --kernel-name regex:"expert|mono" python3 benchmarks/profile_stages.py --tokens 1 --mono ;;
     m1b)
         step m1b_timing 200 python3 benchmarks/m1b_timing.py --fold-tokens 1 4 16 ;;
     profile)  # Nsight Compute counters of every staged stage and the mono launch, S = 1 and 8

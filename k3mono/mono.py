@@ -127,6 +127,7 @@ class MonoBuild:
     variant: tuple[str, int] | None = None  # (how, TaskKind code): planner.timing_variant, timing only
     max_registers: int | None = None  # ptxas's cap a thread (Triton's maxnreg); None: the compiler's choice
     tiles: TileChoice = TileChoice()  # MonoOptions.tiles
+    outline_tasks: bool = False  # MonoOptions.outline_tasks
 
     def __post_init__(self):
         if not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
@@ -140,7 +141,7 @@ class MonoBuild:
 
     @property
     def options(self) -> MonoOptions:
-        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c, self.tiles)
+        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c, self.tiles, self.outline_tasks)
 
 
 # -- layouts -------------------------------------------------------------------------------
@@ -226,6 +227,7 @@ def build(key: MonoBuild) -> Compiled:
     from .kernels import common
     from .kernels.experts import _block_groups
     from .kernels.gemv import even_k
+    from .kernels.mono import task_functions
 
     cfg, T, S = key.cfg, key.tp, key.tokens
     table = plan(cfg, T, S, key.sms, key.options)
@@ -269,6 +271,7 @@ def build(key: MonoBuild) -> Compiled:
         ACT_B=elems(scratch["expert_act"][0], 2), LAT_B=elems(scratch["latent"][0], 2),
         SACT_B=elems(scratch["shared_act"][0], 2), CTL_I=elems(scratch["ctl"][0], 4),
         PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b), **_m1c_consts(g.m1c),
+        **task_functions(key.outline_tasks),
     )
     compiled = Compiled(key, table, _table_rows(table, key.loopback), grid, consts, peer, scratch, data, scratch_lay)
     _CACHE[key] = compiled
@@ -745,7 +748,7 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
                      m1b=options.m1b, m1c=options.m1c, max_registers=max_registers,
-                     tiles=options.tiles)
+                     tiles=options.tiles, outline_tasks=options.outline_tasks)
 
 
 class MonoRunner:

@@ -151,6 +151,208 @@ def _raise_on_peers(
 
 
 @triton.jit
+def _push_rows(
+    peer_table_ptr,  # int64 [NP]
+    slot,  # elements (of DTYPE) from a peer buffer's start to row 0 of this rank's slot
+    stride,  # the slot's row stride
+    tile,  # [SP, ROWS] in DTYPE
+    row0,
+    S: tl.constexpr,
+    N: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    NP: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    for p in range(NP):
+        store_rows(_peer(peer_table_ptr, p, DTYPE) + slot, stride, tile, row0, S, N, SP, ROWS)
+
+
+# The GEMV tasks with their pushes: a task function that stores what it
+# computes takes and returns no tensor, so it can be compiled as a call
+# (task_functions). ``slot`` is the rank's slot in this epoch's region
+# (elements of the pushed dtype), ``word`` the raised flag's word.
+
+
+@triton.jit
+def oproj_push_task(
+    tile,
+    core_ptr,  # bf16 [S, C/T], row stride stride_cs
+    stride_cs,
+    w_o_ptr,  # bf16 [H, C/T]
+    peer_table_ptr,  # int64 [NP]
+    slot,  # fp32 AR1 [S, H] of this rank
+    word,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    C_R: tl.constexpr,
+    SP: tl.constexpr,
+    O_ROWS: tl.constexpr,
+    O_BK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    O_EVEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    NP: tl.constexpr,
+    SCOPE: tl.constexpr,
+):
+    acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST)
+    _push_rows(peer_table_ptr, slot, H, acc, tile * O_ROWS, S, H, SP, O_ROWS, NP, tl.float32)
+    _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
+
+
+@triton.jit
+def router_push_task(
+    tile,
+    x_ptr,  # bf16 [S, H]
+    w_gate_ptr,  # bf16 [E/T, H]
+    peer_table_ptr,  # int64 [NP]
+    slot,  # fp32 logits [S, E], column E/T * rank
+    word,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    E: tl.constexpr,
+    E_R: tl.constexpr,
+    SP: tl.constexpr,
+    R_ROWS: tl.constexpr,
+    R_BK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    R_EVEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    NP: tl.constexpr,
+    SCOPE: tl.constexpr,
+):
+    acc = router_task(tile, x_ptr, H, w_gate_ptr, H, S, E_R, H, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST)
+    _push_rows(peer_table_ptr, slot, E, acc, tile * R_ROWS, S, E_R, SP, R_ROWS, NP, tl.float32)
+    _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
+
+
+@triton.jit
+def latent_down_push_task(
+    tile,
+    x_ptr,  # bf16 [S, H]
+    w_ld_ptr,  # bf16 [L/T, H]
+    peer_table_ptr,  # int64 [NP]
+    slot,  # bf16 z [S, L], column L/T * rank
+    word,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    L_R: tl.constexpr,
+    SP: tl.constexpr,
+    LD_ROWS: tl.constexpr,
+    LD_BK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    LD_EVEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    NP: tl.constexpr,
+    SCOPE: tl.constexpr,
+):
+    zt = latent_down_task(tile, x_ptr, H, w_ld_ptr, H, S, L_R, H, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST)
+    _push_rows(peer_table_ptr, slot, L, zt, tile * LD_ROWS, S, L_R, SP, LD_ROWS, NP, tl.bfloat16)
+    _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
+
+
+@triton.jit
+def final_push_task(
+    tile,
+    lat_ptr,  # bf16 [S, L/T]: this rank's columns of the normed latent, row stride L
+    w_up_ptr,  # bf16 [H, L/T]
+    sact_ptr,  # bf16 [S, SI/T]
+    w_sd_ptr,  # bf16 [H, SI/T]
+    peer_table_ptr,  # int64 [NP]
+    slot,  # fp32 AR3 [S, H] of this rank
+    word,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    L_R: tl.constexpr,
+    SI_R: tl.constexpr,
+    SP: tl.constexpr,
+    F_ROWS: tl.constexpr,
+    F_BK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    F_EVEN_L: tl.constexpr,
+    F_EVEN_S: tl.constexpr,
+    UPCAST: tl.constexpr,
+    NP: tl.constexpr,
+    SCOPE: tl.constexpr,
+):
+    acc = final_task(tile, lat_ptr, L, w_up_ptr, L_R, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, L_R, SI_R, SP, F_ROWS,
+                     F_BK, USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST)
+    _push_rows(peer_table_ptr, slot, H, acc, tile * F_ROWS, S, H, SP, F_ROWS, NP, tl.float32)
+    _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
+
+
+@triton.jit
+def expert_down_push_task(
+    token,
+    tile,
+    act_ptr,  # bf16 [S, K, I/T]
+    ids_ptr,  # int32 [S, K]
+    rw_ptr,  # fp32 [S, K]
+    w2_ptr,  # u8 [E, L, I/(2T)]
+    w2s_ptr,  # u8 [E, L, I/(32T)]
+    own_f32,  # fp32 view of the rank's own peer buffer
+    peer_table_ptr,  # int64 [NP]
+    slot,  # fp32 AR2 [S, L] of this rank
+    word,
+    KTOP: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,
+    S: tl.constexpr,
+    DN_ROWS: tl.constexpr,
+    DN_BG: tl.constexpr,
+    NP: tl.constexpr,
+    SCOPE: tl.constexpr,
+):
+    """expert_down_task stores its tile into the own slot; with NP > 1 the CTA
+    then copies those rows to every peer's before raising."""
+    expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32 + slot,
+                     KTOP, L, I_R, DN_ROWS, DN_BG)
+    if NP > 1:
+        tl.debug_barrier()
+        rows = tile * DN_ROWS + tl.arange(0, DN_ROWS)
+        vals = tl.load(own_f32 + slot + token * L + rows, mask=rows < L, other=0.0)
+        _push_rows(peer_table_ptr, slot + token * L, L, vals[None, :], tile * DN_ROWS, 1, L, 1, DN_ROWS, NP,
+                   tl.float32)
+    _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
+
+
+@triton.jit
+def reduce1_task(
+    start,
+    stop,
+    ar1_ptr,  # fp32 [T, S, H]: this epoch's AR1 region of the own buffer
+    prefix_ptr,  # bf16 [S, H], updated in place
+    stride_ps,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    T: tl.constexpr,
+    RC1: tl.constexpr,  # power of two >= stop - start
+):
+    cols = start + tl.arange(0, RC1)
+    for s in range(S):
+        reduce_prefix_chunk(ar1_ptr, S * H, H, prefix_ptr, stride_ps, s, cols, cols < stop, T)
+
+
+@triton.jit
+def reduce3_task(
+    start,
+    stop,
+    ar3_ptr,  # fp32 [T, S, H]: this epoch's AR3 region of the own buffer
+    out_ptr,  # bf16 [S, H]
+    stride_os,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    T: tl.constexpr,
+    RC3: tl.constexpr,  # power of two >= stop - start
+):
+    cols = start + tl.arange(0, RC3)
+    for s in range(S):
+        final_reduce_chunk(ar3_ptr, S * H, H, out_ptr, stride_os, s, cols, cols < stop, T)
+
+
+@triton.jit
 def _wait_word(
     i: tl.constexpr, row_ptr, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE: tl.constexpr
 ):
@@ -164,6 +366,39 @@ def _would_block(i: tl.constexpr, row_ptr, flags_ptr, epoch, SCOPE: tl.constexpr
     word = tl.load(row_ptr + C_WAIT0 + 2 * i)
     count = tl.load(row_ptr + C_WAIT0 + 2 * i + 1)
     return (1 - reached(poll_once(flags_ptr + word, SCOPE), epoch * count).to(tl.int32))
+
+
+_TASKS = {
+    "OPROJ_TASK": oproj_push_task,
+    "REDUCE1_TASK": reduce1_task,
+    "ATTNRES_TASK": attnres_task,
+    "ROUTER_TASK": router_push_task,
+    "LATENT_DOWN_TASK": latent_down_push_task,
+    "SHARED_GU_TASK": shared_gate_up_task,
+    "ROUTE_TASK": route_task,
+    "EXPERT_GU_TASK": expert_gate_up_task,
+    "EXPERT_DOWN_TASK": expert_down_push_task,
+    "LATENT_NORM_TASK": latent_norm_task,
+    "FINAL_TASK": final_push_task,
+    "REDUCE3_TASK": reduce3_task,
+    "M1C_TASK": mla_attn_task,
+    "M1B_TASK": mla_back_task,
+}
+"""Every task kind's function: each stores its own results (no tensor crosses the call)."""
+_STAY_INLINED = ("OPROJ_TASK", "ROUTER_TASK", "LATENT_DOWN_TASK", "FINAL_TASK")
+"""The GEMV tasks: as a call, any one of them alone took the sm_90a build from
+168 to 225 - 234 registers a thread (offline, S = 1), more than inlined."""
+_OUTLINED = {name: fn if name in _STAY_INLINED else triton.jit(fn.fn, noinline=True) for name, fn in _TASKS.items()}
+
+
+def task_functions(outline: bool) -> dict:
+    """The kernel's task-function constexprs: inlined, or (``outline``) their
+    noinline twins, each compiled as a call. Inlined, the compiler hoists every
+    task's loop-invariant arithmetic ahead of the persistent loop and keeps it
+    live across all tasks (the register peak that bounds CTAs a SM); a call
+    keeps each task's values to its own frame. OUTLINE rides along because
+    Triton keys a constexpr function by its source, which the twins share."""
+    return dict(OUTLINE=outline, **(_OUTLINED if outline else _TASKS))
 
 
 @triton.jit(do_not_specialize=["nb", "rank", "layer", "spin_limit", "num_tasks", "eps", "scaling"])
@@ -322,6 +557,21 @@ def _mono_kernel(
     M1C_HB: tl.constexpr,  # head blocks of a (token, split)
     M1C_BN: tl.constexpr,  # context positions a step
     M1C_STAGES: tl.constexpr,  # steps in flight
+    OUTLINE: tl.constexpr,  # the task functions below are the outlined twins (task_functions)
+    OPROJ_TASK: tl.constexpr,
+    REDUCE1_TASK: tl.constexpr,
+    ATTNRES_TASK: tl.constexpr,
+    ROUTER_TASK: tl.constexpr,
+    LATENT_DOWN_TASK: tl.constexpr,
+    SHARED_GU_TASK: tl.constexpr,
+    ROUTE_TASK: tl.constexpr,
+    EXPERT_GU_TASK: tl.constexpr,
+    EXPERT_DOWN_TASK: tl.constexpr,
+    LATENT_NORM_TASK: tl.constexpr,
+    FINAL_TASK: tl.constexpr,
+    REDUCE3_TASK: tl.constexpr,
+    M1C_TASK: tl.constexpr,
+    M1B_TASK: tl.constexpr,
 ):
     epoch = tl.load(epoch_ptr)
     parity = epoch & 1
@@ -399,7 +649,7 @@ def _mono_kernel(
             if kind == K_M1C:
                 if M1C:
                     # tile = split * M1C_HB + head block (planner._Planner.m1c)
-                    mla_attn_task(token, tile // M1C_HB, tile % M1C_HB, q_ptr, stride_qs, stride_qh, kv_ptr,
+                    M1C_TASK(token, tile // M1C_HB, tile % M1C_HB, q_ptr, stride_qs, stride_qh, kv_ptr,
                                   stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr,
                                   attn_scale, o_ptr, stride_ok, stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls,
                                   M1C_HEADS, M1C_B, M1C_BP, PAGE_SIZE, D_LATENT, D_ROPE, SPLITS, M1C_BH, M1C_BN,
@@ -408,81 +658,54 @@ def _mono_kernel(
             elif kind == K_M1B:
                 if M1B:
                     # tile = head * (D_V / M1B_DV) + value-row block (planner._m1b_tiles)
-                    mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), o_ptr, stride_ok, stride_ot,
+                    M1B_TASK(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), o_ptr, stride_ok, stride_ot,
                                   stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale,
                                   gate_ptr, stride_gs, core_ptr, stride_cs, S, M1B_SP, SPLITS, SPLITS_P, D_LATENT,
                                   D_V, M1B_PAIRS, M1B_STAGES, M1B_DV, W_V_FP8, UPCAST)
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
-                acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST)
-                for p in range(NP):
-                    peer = _peer(peer_table_ptr, p, tl.float32)
-                    store_rows(peer + pf + AR1_F + rank * (S * H), H, acc, tile * O_ROWS, S, H, SP, O_ROWS)
-                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
+                OPROJ_TASK(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
+                           FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE1:
-                cols = start + tl.arange(0, RC1)
-                for s in range(S):
-                    reduce_prefix_chunk(own_f32 + pf + AR1_F, S * H, H, prefix_ptr, stride_ps, s, cols, cols < stop, T)
+                REDUCE1_TASK(start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, S, H, T, RC1)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_SEAM:
-                attnres_task(token, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb, ares_nw_ptr,
+                ATTNRES_TASK(token, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb, ares_nw_ptr,
                              ares_qk_ptr, in_nw_ptr, eps, x_ptr, H, H, CANDS, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTER:
-                acc = router_task(tile, x_ptr, H, w_gate_ptr, H, S, E_R, H, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST)
-                for p in range(NP):
-                    peer = _peer(peer_table_ptr, p, tl.float32)
-                    store_rows(peer + pf + LOG_F + rank * E_R, E, acc, tile * R_ROWS, S, E_R, SP, R_ROWS)
-                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
+                ROUTER_TASK(tile, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E,
+                            E_R, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
-                zt = latent_down_task(tile, x_ptr, H, w_ld_ptr, H, S, L_R, H, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST)
-                for p in range(NP):
-                    peer = _peer(peer_table_ptr, p, tl.bfloat16)
-                    store_rows(peer + pb + Z_B + rank * L_R, L, zt, tile * LD_ROWS, S, L_R, SP, LD_ROWS)
-                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
+                LATENT_DOWN_TASK(tile, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R, FLAG_I + rword, S, H, L,
+                                 L_R, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_SHARED_GU:
-                shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
+                SHARED_GU_TASK(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTE:
-                route_task(token, own_f32 + pf + LOG_F, bias_ptr, ids_ptr, rw_ptr, scaling, E, KTOP, E_PAD)
+                ROUTE_TASK(token, own_f32 + pf + LOG_F, bias_ptr, ids_ptr, rw_ptr, scaling, E, KTOP, E_PAD)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_GU:
                 gu_task = (token * KTOP + slot) * tl.cdiv(I_R, GU_ROWS) + tile
-                expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr,
+                EXPERT_GU_TASK(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr,
                                     KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_DOWN:
-                own_ar2 = own_f32 + pf + AR2_F + rank * (S * L)
-                expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr,
-                                 own_ar2, KTOP, L, I_R, DN_ROWS, DN_BG)
-                if NP > 1:
-                    # the task stored its rows into the own slot: copy them to every peer's
-                    tl.debug_barrier()
-                    rows = start + tl.arange(0, DN_ROWS)
-                    rmask = rows < stop
-                    vals = tl.load(own_ar2 + token * L + rows, mask=rmask, other=0.0)
-                    for p in range(NP):
-                        peer = _peer(peer_table_ptr, p, tl.float32)
-                        tl.store(peer + pf + AR2_F + rank * (S * L) + token * L + rows, vals, mask=rmask)
-                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
+                EXPERT_DOWN_TASK(token, tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32, peer_table_ptr,
+                                 pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, S, DN_ROWS, DN_BG, NP, SCOPE)
             elif kind == K_PREFETCH_FINAL:
                 sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
                 sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
             elif kind == K_LATENT_NORM:
-                latent_norm_task(token, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L, T, L, VB)
+                LATENT_NORM_TASK(token, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L, T, L, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
-                acc = final_task(tile, lat_ptr + rank * L_R, L, w_up_ptr, L_R, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H,
-                                 L_R, SI_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST)
-                for p in range(NP):
-                    peer = _peer(peer_table_ptr, p, tl.float32)
-                    store_rows(peer + pf + AR3_F + rank * (S * H), H, acc, tile * F_ROWS, S, H, SP, F_ROWS)
-                _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
+                FINAL_TASK(tile, lat_ptr + rank * L_R, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
+                           pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L, L_R, SI_R, SP, F_ROWS, F_BK, USE_DOT,
+                           F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
-                cols = start + tl.arange(0, RC3)
-                for s in range(S):
-                    final_reduce_chunk(own_f32 + pf + AR3_F, S * H, H, out_ptr, stride_os, s, cols, cols < stop, T)
+                REDUCE3_TASK(start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
             elif kind == K_NOP:
                 # a timing variant's skipped task (planner.timing_variant): only its raise
                 if rword >= 0:
