@@ -80,7 +80,9 @@ for s in $STEPS; do
         step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     outline)
-        step mono_outline 300 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 3 --prefetch 0 --outline 0 1 ;;
+        step mono_outline 300 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 3 --prefetch 0 --outline 0 1
+        step gpu_check_outline 150 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 1 8 --grids \
+            --occupy-sms 0 --ctas-per-sm 3 --outline ;;
     tiles)
         step mono_tiles 240 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-rows 32 16 8 ;;
     stalls)  # every counter (the stall reasons among them) of the expert stages and the mono launch, S = 1

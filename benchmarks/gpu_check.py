@@ -63,12 +63,11 @@ def same_on_every_rank(results) -> bool:
     )
 
 
-def mono_case(cfg, full, shards, tp: int, tokens: int, device, tiles: TileChoice) -> int:
+def mono_case(cfg, full, shards, tp: int, tokens: int, device, options: MonoOptions) -> int:
     """Eager + 3 graph replays of the mono launch; returns the number of failures."""
     failures = 0
     started = time.time()
-    runner = MonoRunner(cfg, shards, tokens, LAYER,
-                        options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=tiles))
+    runner = MonoRunner(cfg, shards, tokens, LAYER, options=options)
     first = {k: v.to(device) for k, v in random_inputs(cfg, tokens, LAYER, seed=77 * tp + tokens).items()}
     # fixed input buffers: the graph reads these addresses
     core, prefix, blocks = first["core"].clone(), first["prefix"].clone(), first["blocks"].clone()
@@ -161,6 +160,8 @@ def main() -> int:
     parser.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB, help="TileChoice.dense_step_kb")
     parser.add_argument("--expert-rows", type=int, default=EXPERT_ROWS, help="TileChoice.expert_rows")
     parser.add_argument("--router-rows", type=int, default=ROUTER_ROWS, help="TileChoice.router_rows")
+    parser.add_argument("--ctas-per-sm", type=int, default=DEFAULT_CTAS_PER_SM, help="MonoOptions.ctas_per_sm")
+    parser.add_argument("--outline", action="store_true", help="MonoOptions.outline_tasks")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     args = parser.parse_args()
@@ -192,7 +193,8 @@ def main() -> int:
             for tokens in args.tokens:
                 tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
                                    router_rows=args.router_rows)
-                failures += mono_case(cfg, full, shards, tp, tokens, device, tiles)
+                options = MonoOptions(ctas_per_sm=args.ctas_per_sm, tiles=tiles, outline_tasks=args.outline)
+                failures += mono_case(cfg, full, shards, tp, tokens, device, options)
         if tp == 8:
             inputs, expected = default_grid_run(cfg, shards, device)
             for ctas in args.grids:
