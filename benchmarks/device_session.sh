@@ -11,6 +11,8 @@
 # Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8); stalls: all
 # counters of the expert stages and the mono launch (S = 1); tiles: the sweep's expert tiles only;
 # outline: the mono launch with its task functions inlined or outlined, at 2 and 3 CTAs a SM;
+# outline_check: the outlined build at 3 CTAs a SM checked (T = 8, S = 1 and 8);
+# loops: the expert stages' loops at other pipeline depths and unroll factors (staged);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -80,9 +82,12 @@ for s in $STEPS; do
         step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     outline)
-        step mono_outline 300 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 3 --prefetch 0 --outline 0 1
+        step mono_outline 300 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 3 --prefetch 0 --outline 0 1 ;;
+    outline_check)
         step gpu_check_outline 150 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 1 8 --grids \
             --occupy-sms 0 --ctas-per-sm 3 --outline ;;
+    loops)  # the expert stages' hot loops: pipeline depth and unroll factor (staged)
+        step expert_loops 200 python3 benchmarks/expert_loops.py --tokens 1 8 ;;
     tiles)
         step mono_tiles 240 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-rows 32 16 8 ;;
     stalls)  # every counter (the stall reasons among them) of the expert stages and the mono launch, S = 1

@@ -58,8 +58,11 @@ PACKING = tl.constexpr(_PACKING)
 # Steps whose loads are in flight at once (compiled builds stage them through
 # shared memory with cp.async): one step is 64 to 128 bytes of weights per
 # thread, and an SM needs ~32 KB in flight to cover HBM latency. Not part of
-# StageGeometry (GemvTile has no such field); the interpreter ignores it.
+# StageGeometry (GemvTile has no such field); the interpreter ignores it, and
+# LOOP_UNROLL (steps a loop body holds; 1: none). The launchers compile
+# EXPERT_STAGES / EXPERT_UNROLL, module attributes a benchmark may set.
 PIPELINE_STAGES = tl.constexpr(3)
+LOOP_UNROLL = tl.constexpr(1)
 
 
 @triton.jit
@@ -80,6 +83,8 @@ def expert_gate_up_task(
     BETA: tl.constexpr,
     LINEAR_BETA: tl.constexpr,
     DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
+    STAGES: tl.constexpr = PIPELINE_STAGES,
+    UNROLL: tl.constexpr = LOOP_UNROLL,
 ):
     """Task = (pair s*K + j, tile of ROWS intermediate rows), pair-major."""
     TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
@@ -99,7 +104,7 @@ def expert_gate_up_task(
     # Per (group column, row) partials; the row sums are taken once, at the end.
     gate = tl.zeros((BLOCK_G, ROWS), tl.float32)
     up = tl.zeros((BLOCK_G, ROWS), tl.float32)
-    for g0 in tl.range(0, G_ROW, BLOCK_G, num_stages=PIPELINE_STAGES):
+    for g0 in tl.range(0, G_ROW, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
         groups = g0 + tl.arange(0, BLOCK_G)
         col_ok = groups < G_ROW
         words1, scales1 = load_mxfp4_tile(w1, w1_scale, groups, col_ok, rows, row_ok, G_ROW)
@@ -131,6 +136,8 @@ def _expert_gate_up_kernel(
     BETA: tl.constexpr,
     LINEAR_BETA: tl.constexpr,
     DEQUANT: tl.constexpr,
+    STAGES: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     expert_gate_up_task(
         tl.program_id(0),
@@ -149,6 +156,8 @@ def _expert_gate_up_kernel(
         BETA,
         LINEAR_BETA,
         DEQUANT,
+        STAGES,
+        UNROLL,
     )
 
 
@@ -167,6 +176,8 @@ def expert_down_task(
     ROWS: tl.constexpr,  # latent rows per task
     BLOCK_G: tl.constexpr,  # (slot, group) columns per step
     DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
+    STAGES: tl.constexpr = PIPELINE_STAGES,
+    UNROLL: tl.constexpr = LOOP_UNROLL,
 ):
     """Task = (token, tile of ROWS latent rows), token-major.
 
@@ -186,7 +197,7 @@ def expert_down_task(
     row_ok = rows < L
 
     acc = tl.zeros((BLOCK_G, ROWS), tl.float32)
-    for c0 in tl.range(0, COLS, BLOCK_G, num_stages=PIPELINE_STAGES):
+    for c0 in tl.range(0, COLS, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
         cols = c0 + tl.arange(0, BLOCK_G)
         col_ok = cols < COLS
         pair = token * K + cols // G_ROW
@@ -217,10 +228,11 @@ def _expert_down_kernel(
     ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     DEQUANT: tl.constexpr,
+    STAGES: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
-    expert_down_task(
-        tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R, ROWS, BLOCK_G, DEQUANT
-    )
+    expert_down_task(tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R, ROWS,
+                     BLOCK_G, DEQUANT, STAGES, UNROLL)
 
 
 # -- launchers -------------------------------------------------------------------
@@ -259,6 +271,10 @@ EXPERT_DEQUANT = DEFAULT_DEQUANT
 """The MXFP4 placement the launchers compile (kernels/mxfp4.py: DEQUANT_SHIFT
 = 0, DEQUANT_IMAD = 1) unless given ``dequant=``; set this module attribute to
 time both placements in one run (each value compiles its own kernel)."""
+EXPERT_STAGES = PIPELINE_STAGES.value
+EXPERT_UNROLL = LOOP_UNROLL.value
+"""The hot loops' pipeline depth and unroll factor the launchers compile (set
+them, as EXPERT_DEQUANT, to time other loop shapes in one run)."""
 
 
 def launch_expert_gate_up(
@@ -300,6 +316,8 @@ def launch_expert_gate_up(
         BETA=cfg.situ_beta,
         LINEAR_BETA=cfg.situ_linear_beta,
         DEQUANT=EXPERT_DEQUANT if dequant is None else dequant,
+        STAGES=EXPERT_STAGES,
+        UNROLL=EXPERT_UNROLL,
         num_warps=tile.warps,
     )
 
@@ -339,5 +357,7 @@ def launch_expert_down(
         ROWS=tile.rows,
         BLOCK_G=_block_groups(tile),
         DEQUANT=EXPERT_DEQUANT if dequant is None else dequant,
+        STAGES=EXPERT_STAGES,
+        UNROLL=EXPERT_UNROLL,
         num_warps=tile.warps,
     )
