@@ -61,7 +61,7 @@ PACKING = tl.constexpr(_PACKING)
 # StageGeometry (GemvTile has no such field); the interpreter ignores it, and
 # LOOP_UNROLL (steps a loop body holds; 1: none). The launchers compile
 # EXPERT_STAGES / EXPERT_UNROLL, module attributes a benchmark may set.
-PIPELINE_STAGES = tl.constexpr(3)
+PIPELINE_STAGES = tl.constexpr(1)
 LOOP_UNROLL = tl.constexpr(1)
 
 
