@@ -12,6 +12,7 @@
 # counters of the expert stages and the mono launch (S = 1); tiles: the sweep's expert tiles only;
 # outline: the mono launch with its task functions inlined or outlined, at 2 and 3 CTAs a SM;
 # outline_check: the outlined build at 3 CTAs a SM checked (T = 8, S = 1 and 8);
+# trace: where the mono launch's time goes, per task kind, from a trace build (S = 1, 8);
 # loops: the expert stages' loops at other pipeline depths and unroll factors (staged);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -86,6 +87,8 @@ for s in $STEPS; do
     outline_check)
         step gpu_check_outline 150 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 1 8 --grids \
             --occupy-sms 0 --ctas-per-sm 3 --outline ;;
+    trace)  # every ticket's SM and times, per task kind (a trace build), S = 1 and 8
+        step mono_trace 200 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
     loops)  # the expert stages' hot loops: pipeline depth and unroll factor (staged)
         step expert_loops 200 python3 benchmarks/expert_loops.py --tokens 1 8 ;;
     tiles)

@@ -101,6 +101,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+TRACE_WORDS = 4  # kernels/mono.py: a traced ticket's SM, taken, ready, done
 DEFAULT_PREFETCH = 0
 DEFAULT_CTAS_PER_SM = 2
 """Measured on the H200 at one rank of TP8 (benchmarks/mono_sweep.py, docs/PERF.md):
@@ -128,6 +129,7 @@ class MonoBuild:
     max_registers: int | None = None  # ptxas's cap a thread (Triton's maxnreg); None: the compiler's choice
     tiles: TileChoice = TileChoice()  # MonoOptions.tiles
     outline_tasks: bool = False  # MonoOptions.outline_tasks
+    trace: bool = False  # record each ticket's SM and times (k3mono/trace.py); compiled builds only
 
     def __post_init__(self):
         if not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
@@ -224,6 +226,8 @@ def _table_rows(table, loopback: bool) -> torch.Tensor:
 def build(key: MonoBuild) -> Compiled:
     if key in _CACHE:
         return _CACHE[key]
+    if key.trace and _interpreting():
+        raise K3InputError("trace: the task trace reads the GPU's timer (inline PTX); the interpreter has none")
     from .kernels import common
     from .kernels.experts import _block_groups
     from .kernels.gemv import even_k
@@ -271,7 +275,7 @@ def build(key: MonoBuild) -> Compiled:
         ACT_B=elems(scratch["expert_act"][0], 2), LAT_B=elems(scratch["latent"][0], 2),
         SACT_B=elems(scratch["shared_act"][0], 2), CTL_I=elems(scratch["ctl"][0], 4),
         PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b), **_m1c_consts(g.m1c),
-        **task_functions(key.outline_tasks),
+        **task_functions(key.outline_tasks), TRACE=key.trace,
     )
     compiled = Compiled(key, table, _table_rows(table, key.loopback), grid, consts, peer, scratch, data, scratch_lay)
     _CACHE[key] = compiled
@@ -419,6 +423,7 @@ def k2_launch(
     own=None,
     m1b_in=None,
     m1c_in=None,
+    trace=None,
 ) -> None:
     """One rank's layer_post in one launch (on the current stream).
 
@@ -434,7 +439,9 @@ def k2_launch(
     [HEALTH_WORDS]; alarm: the wait bound in polls. m1b_in: required iff
     key.m1b (check_m1b_inputs): the launch writes core from it first. m1c_in:
     required iff key.m1c (check_m1c_inputs): the launch writes M1b's split
-    outputs into its scratch before that, and m1b_in is M1b's weights only."""
+    outputs into its scratch before that, and m1b_in is M1b's weights only.
+    trace: required iff key.trace, int64 [tasks, 4] on the launch's device:
+    each ticket's SM, taken, ready and done times (k3mono/trace.py)."""
     from .kernels.mono import _mono_kernel
 
     c = build(key)
@@ -454,6 +461,7 @@ def k2_launch(
     splits = split_outputs(key, scratch)
     check_m1b_inputs(key, m1b_in, core, splits)
     check_m1c_inputs(key, m1c_in, splits)
+    trace = _trace_arg(key, trace, len(c.table.tasks), health)
     w_sg, w_su = _pair("w_sgu", w_sgu)
     w1, w3 = _pair("w13", w13)
     w1s, w3s = _pair("w13s", w13s)
@@ -468,9 +476,21 @@ def k2_launch(
         views(scratch, torch.bfloat16), views(scratch, torch.int32), views(scratch, torch.float32),
         views(own, torch.float32), views(own, torch.bfloat16), views(own, torch.int32),
         peer_table,
-        rank, epoch, layer, health, int(alarm), len(c.table.tasks),
+        rank, epoch, layer, health, int(alarm), len(c.table.tasks), trace,
         **c.consts, num_warps=4, **_register_cap(key),
     )
+
+
+def _trace_arg(key: MonoBuild, trace, num_tasks: int, health):
+    """The trace buffer (checked) where the build records one; else a placeholder the kernel never writes."""
+    if not key.trace:
+        if trace is not None:
+            raise K3InputError("trace: given, but the build records no trace (MonoBuild.trace)")
+        return health
+    expect_tensor("trace", trace, (num_tasks, TRACE_WORDS), torch.int64)
+    if trace.device != health.device:
+        raise K3InputError(f"trace: expected on {health.device}, got {trace.device}")
+    return trace
 
 
 def _register_cap(key: MonoBuild) -> dict:
@@ -522,6 +542,9 @@ class MonoRank:
         self.scratch_buffer = torch.zeros(buffer_bytes(self.compiled.scratch), dtype=torch.uint8, device=dev)
         self.epoch_word = torch.ones(1, dtype=torch.int32, device=dev)
         self.health = torch.zeros(HEALTH_WORDS, dtype=torch.int32, device=dev)
+        # k3mono/trace.py reads it: the last launch's tickets (trace builds only)
+        self.trace = (torch.zeros((len(self.compiled.table.tasks), TRACE_WORDS), dtype=torch.int64, device=dev)
+                      if key.trace else None)
         self.core = torch.empty((S, cfg.core_width // key.tp), dtype=torch.bfloat16, device=dev)
         self.prefix = torch.empty((S, cfg.hidden_size), dtype=torch.bfloat16, device=dev)
         self.out = torch.empty((S, cfg.hidden_size), dtype=torch.bfloat16, device=dev)
@@ -608,7 +631,7 @@ class MonoRank:
             self.key, core=self.core, prefix=self.prefix, blocks=self.blocks, **self._args, out=self.out,
             scratch=self.scratch_buffer, peers=self.peers, peer_table=self._peer_table(), rank=self.rank,
             epoch=self.epoch_word, layer=self.layer, health=self.health, alarm=self.spin_limit, own=self.own,
-            m1b_in=self.m1b_in, m1c_in=self.m1c_in,
+            m1b_in=self.m1b_in, m1c_in=self.m1c_in, trace=self.trace,
         )
 
     def _peer_table(self) -> torch.Tensor:
@@ -739,7 +762,7 @@ def device_sms(device) -> int:
 
 def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool, sms: int,
              options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH, scope: str = "gpu",
-             max_registers: int | None = None) -> MonoBuild:
+             max_registers: int | None = None, trace: bool = False) -> MonoBuild:
     """The build key of a rank's launch for ``layer`` (its AttnRes candidate pad),
     the measured defaults (DEFAULT_CTAS_PER_SM, DEFAULT_PREFETCH) unless given."""
     from .kernels.attnres import num_candidates_pad
@@ -748,7 +771,7 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
                      m1b=options.m1b, m1c=options.m1c, max_registers=max_registers,
-                     tiles=options.tiles, outline_tasks=options.outline_tasks)
+                     tiles=options.tiles, outline_tasks=options.outline_tasks, trace=trace)
 
 
 class MonoRunner:
@@ -769,7 +792,8 @@ class MonoRunner:
 
     def __init__(self, cfg: K3Config, shards, tokens: int, layer: int, *, device=None, loopback=None,
                  options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH,
-                 spin_limit: int | None = None, sms: int | None = None, max_registers: int | None = None):
+                 spin_limit: int | None = None, sms: int | None = None, max_registers: int | None = None,
+                 trace: bool = False):
         from .peers import local_buffers
 
         cfg.validate_layer(layer)
@@ -782,7 +806,7 @@ class MonoRunner:
             raise K3InputError(f"device: the shards live on {shards[0].o_proj.device}, not {self.device}")
         self.loopback = self.tp > 1 if loopback is None else bool(loopback)
         self.key = mono_key(cfg, tokens, self.tp, layer, loopback=self.loopback, sms=sms or device_sms(self.device),
-                            options=options, prefetch=prefetch, max_registers=max_registers)
+                            options=options, prefetch=prefetch, max_registers=max_registers, trace=trace)
         self.compiled = build(self.key)
         spin = spin_limit if spin_limit is not None else (INTERPRET_SPIN if _interpreting() else DEFAULT_SPIN)
         buffers = local_buffers(self.tp, buffer_bytes(self.compiled.peer), self.device)

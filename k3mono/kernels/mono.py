@@ -106,6 +106,7 @@ C_WAIT0 = tl.constexpr(8)  # word, count pairs from here
 C_RAISE = tl.constexpr(12)
 C_RAISE_PEER = tl.constexpr(13)
 MAX_WAITS = tl.constexpr(2)
+TRACE_WORDS = tl.constexpr(4)  # a traced ticket's row: SM, taken, ready, done
 
 
 @triton.jit
@@ -401,6 +402,34 @@ def task_functions(outline: bool) -> dict:
     return dict(OUTLINE=outline, **(_OUTLINED if outline else _TASKS))
 
 
+@triton.jit
+def _global_ns():
+    """The GPU's global nanosecond timer, the same on every SM (inline PTX:
+    compiled TRACE builds only, the interpreter has no timer)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _sm_id():
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _record_task(
+    trace_ptr,  # int64 [num_tasks, TRACE_WORDS]
+    ticket,
+    taken,  # int64 ns: the CTA turned to the ticket
+    ready,  # int64 ns: its waits were met
+):
+    """The ticket's row: SM, taken, ready, done (ns of the global timer)."""
+    done = _global_ns()
+    row = trace_ptr + ticket * TRACE_WORDS
+    tl.store(row, _sm_id().to(tl.int64))
+    tl.store(row + 1, taken)
+    tl.store(row + 2, ready)
+    tl.store(row + 3, done)
+
+
 @triton.jit(do_not_specialize=["nb", "rank", "layer", "spin_limit", "num_tasks", "eps", "scaling"])
 def _mono_kernel(
     table_ptr,  # int32 [num_tasks, NCOL]
@@ -474,6 +503,7 @@ def _mono_kernel(
     health_ptr,  # int32 [HEALTH_WORDS]
     spin_limit,  # polls a wait may take
     num_tasks,  # rows of the table (not a constexpr: a timing variant's table reuses the build)
+    trace_ptr,  # int64 [num_tasks, TRACE_WORDS] out (TRACE; otherwise a placeholder, never written)
     NCOL: tl.constexpr,
     NP: tl.constexpr,
     T: tl.constexpr,
@@ -572,6 +602,7 @@ def _mono_kernel(
     REDUCE3_TASK: tl.constexpr,
     M1C_TASK: tl.constexpr,
     M1B_TASK: tl.constexpr,
+    TRACE: tl.constexpr,  # record every ticket's SM and times (_record_task)
 ):
     epoch = tl.load(epoch_ptr)
     parity = epoch & 1
@@ -602,6 +633,8 @@ def _mono_kernel(
         naddr = tl.load(row + C_NADDR)
         rword = tl.load(row + C_RAISE)
         ok = (nwaits >= 0).to(tl.int32)
+        if TRACE:
+            taken = _global_ns()
 
         # (1) the waits that gate weight addresses
         for i in tl.static_range(MAX_WAITS):
@@ -645,6 +678,8 @@ def _mono_kernel(
                 ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE)
 
         # (4) the task
+        if TRACE:
+            ready = _global_ns()
         if ok != 0:
             if kind == K_M1C:
                 if M1C:
@@ -713,6 +748,8 @@ def _mono_kernel(
                         _raise_on_peers(peer_table_ptr, FLAG_I + rword, NP, SCOPE)
                     else:
                         raise_counter(flags + rword, SCOPE)
+        if TRACE:
+            _record_task(trace_ptr, ticket, taken, ready)
         # a failed wait stops the CTA (the alarm is up: the launch is lost)
         ticket = tl.where(ok != 0, nxt, num_tasks)
 

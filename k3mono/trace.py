@@ -1,0 +1,77 @@
+"""Where a mono launch's time goes, read off the launch itself.
+
+A trace build (``MonoRunner(..., trace=True)``, compiled GPU builds only)
+records for every ticket the SM that ran it and three readings of the GPU's
+global nanosecond timer (kernels/mono.py ``_record_task``):
+
+    taken  the CTA turned to the ticket (its row read)
+    ready  every wait of the ticket was met (weights already requested where
+           the task issues them first)
+    done   the task's stores and raises were issued
+
+``summarize`` folds those rows into one line per task kind, in table order:
+when the kind's first task was taken, when its first one could start, when
+its last one finished (us after the launch's first ticket), and per task the
+mean time spent waiting and running. The waits of one kind are the latency
+of the chain before it; a kind whose last ``done`` sets the next kind's
+first ``ready`` is on the critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NS_PER_US = 1e3
+
+
+@dataclass(frozen=True)
+class KindSpan:
+    kind: str
+    tasks: int
+    sms: int  # distinct SMs that ran the kind's tasks
+    first_taken_us: float
+    first_ready_us: float
+    last_done_us: float
+    wait_us: float  # mean over its tasks of ready - taken
+    run_us: float  # mean over its tasks of done - ready
+    run_max_us: float
+
+
+def summarize(trace: torch.Tensor, table) -> tuple[float, list[KindSpan]]:
+    """(launch span in us: last done - first taken, one KindSpan per task kind in table order)."""
+    rows = trace.detach().to("cpu", torch.int64)
+    if rows.shape != (len(table.tasks), 4):
+        raise ValueError(f"trace: expected shape ({len(table.tasks)}, 4), got {tuple(rows.shape)}")
+    sm, taken, ready, done = rows.unbind(1)
+    if bool((taken == 0).any()):
+        raise ValueError("trace: some tickets were never recorded (the launch did not finish, or did not trace)")
+    origin = int(taken.min())
+    tickets_of: dict = {}
+    for task in table.tasks:
+        tickets_of.setdefault(task.kind, []).append(task.ticket)
+    spans = []
+    for kind, tickets in tickets_of.items():
+        t = torch.tensor(tickets)
+        waits, runs = (ready[t] - taken[t]).double(), (done[t] - ready[t]).double()
+        spans.append(KindSpan(
+            kind=kind.name, tasks=len(tickets), sms=int(torch.unique(sm[t]).numel()),
+            first_taken_us=(int(taken[t].min()) - origin) / NS_PER_US,
+            first_ready_us=(int(ready[t].min()) - origin) / NS_PER_US,
+            last_done_us=(int(done[t].max()) - origin) / NS_PER_US,
+            wait_us=float(waits.mean()) / NS_PER_US, run_us=float(runs.mean()) / NS_PER_US,
+            run_max_us=float(runs.max()) / NS_PER_US,
+        ))
+    return (int(done.max()) - origin) / NS_PER_US, spans
+
+
+def format_summary(launch_us: float, spans: list[KindSpan]) -> str:
+    head = (f"{'kind':<13}{'tasks':>6}{'SMs':>5}{'first taken':>12}{'first ready':>12}{'last done':>10}"
+            f"{'wait/task':>10}{'run/task':>9}{'run max':>8}   (us after the first ticket)")
+    lines = [head]
+    for s in spans:
+        lines.append(f"{s.kind:<13}{s.tasks:>6}{s.sms:>5}{s.first_taken_us:>12.1f}{s.first_ready_us:>12.1f}"
+                     f"{s.last_done_us:>10.1f}{s.wait_us:>10.2f}{s.run_us:>9.2f}{s.run_max_us:>8.2f}")
+    lines.append(f"launch span {launch_us:.1f} us (first ticket taken to last task done)")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""The mono launch's task trace (k3mono/trace.py): the per-kind summary of a
+trace, the build's refusal under the interpreter, the launcher's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3mono.config import preset
+from k3mono.errors import K3InputError
+from k3mono.mono import MonoRunner
+from k3mono.planner import MonoOptions, TaskKind, plan
+from k3mono.synthetic import random_inputs, random_layer
+from k3mono.trace import summarize
+from k3mono.weights import shard_all
+
+ORIGIN_NS = 10_000_000
+
+
+def synthetic_trace(table, sms: int = 5) -> torch.Tensor:
+    """Ticket i taken at 1000 i ns, ready 100 i ns later, done 10 ns after that, on SM i % sms."""
+    rows = []
+    for task in table.tasks:
+        i = task.ticket
+        taken = ORIGIN_NS + 1000 * i
+        rows.append([i % sms, taken, taken + 100 * i, taken + 100 * i + 10])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def test_summarize_gives_each_kind_its_span_in_table_order():
+    table = plan(preset("tiny"), 2, 3, 7, MonoOptions())
+    launch_us, spans = summarize(synthetic_trace(table), table)
+    kinds = list(dict.fromkeys(task.kind.name for task in table.tasks))
+    assert [s.kind for s in spans] == kinds
+    assert sum(s.tasks for s in spans) == len(table.tasks)
+    last = len(table.tasks) - 1
+    assert launch_us == pytest.approx((1000 * last + 100 * last + 10) / 1e3)
+    for span in spans:
+        tickets = [t.ticket for t in table.tasks if t.kind.name == span.kind]
+        first, final = min(tickets), max(tickets)
+        assert span.first_taken_us == pytest.approx(first)  # 1000 ns a ticket
+        assert span.first_ready_us == pytest.approx(1.1 * first)
+        assert span.last_done_us == pytest.approx(1.1 * final + 0.01)
+        assert span.wait_us == pytest.approx(0.1 * sum(tickets) / len(tickets))
+        assert span.run_us == pytest.approx(0.01) and span.run_max_us == pytest.approx(0.01)
+        assert span.sms == len({t % 5 for t in tickets})
+    assert spans[0].kind == TaskKind.OPROJ.name
+
+
+def test_summarize_refuses_a_trace_of_another_table_or_with_unrecorded_tickets():
+    table = plan(preset("tiny"), 2, 3, 7, MonoOptions())
+    trace = synthetic_trace(table)
+    with pytest.raises(ValueError, match="shape"):
+        summarize(trace[:-1], table)
+    trace[3, 1] = 0
+    with pytest.raises(ValueError, match="never recorded"):
+        summarize(trace, table)
+
+
+def test_a_trace_build_needs_the_gpu_and_a_trace_buffer_needs_a_trace_build():
+    cfg, tokens, layer = preset("tiny"), 1, 1
+    shards = shard_all(random_layer(cfg, 0), cfg, 1)
+    with pytest.raises(K3InputError, match="trace: .*interpreter"):
+        MonoRunner(cfg, shards, tokens, layer, trace=True)
+    runner = MonoRunner(cfg, shards, tokens, layer)
+    runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=5))
+    rank = runner.rank_states[0]
+    rank.trace = torch.zeros((len(rank.compiled.table.tasks), 4), dtype=torch.int64)
+    rank.out.fill_(float("nan"))
+    with pytest.raises(K3InputError, match="trace: given"):
+        rank.launch()
+    assert bool(torch.isnan(rank.out.float()).all()), "nothing is written before the check"
