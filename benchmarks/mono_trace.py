@@ -3,7 +3,7 @@ ticket's SM and timer readings from a trace build (k3mono/trace.py), per
 task kind, for each token count; beside it the traced and the plain build's
 CUDA-graph time (what recording costs).
 
-    python benchmarks/mono_trace.py [--tokens 1 8] [--out DIR]
+    python benchmarks/mono_trace.py [--tokens 1 8] [--poll-sleep-ns 0 200] [--out DIR]
 
 The traced launch runs after launches on the other rotated weight sets, as
 a replay would (its weights are not in L2), and is read eagerly.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 
@@ -20,6 +21,8 @@ import torch
 
 from k3mono.bench import WEIGHT_SETS, mono_runners, time_mono
 from k3mono.config import preset
+from k3mono.mono import DEFAULT_CTAS_PER_SM
+from k3mono.planner import MonoOptions
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
 from k3mono.trace import format_summary, summarize
@@ -45,25 +48,27 @@ def traced_launch(runners) -> tuple[float, list]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--poll-sleep-ns", type=int, nargs="+", default=[0], help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--out", default=None, help="directory for mono-trace-S<tokens>.json")
+    parser.add_argument("--out", default=None, help="directory for mono-trace-S<tokens>-sleep<ns>.json")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
-    for tokens in args.tokens:
-        runners = mono_runners(cfg, args.tp, tokens, sets, trace=True)
+    for tokens, sleep_ns in itertools.product(args.tokens, args.poll_sleep_ns):
+        options = MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, poll_sleep_ns=sleep_ns)
+        runners = mono_runners(cfg, args.tp, tokens, sets, trace=True, options=options)
         launch_us, spans = traced_launch(runners)
         traced = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
         del runners
         torch.cuda.empty_cache()
-        plain = time_mono(cfg, args.tp, tokens, sets)
-        print(f"T={args.tp} S={tokens}: traced launch {traced * 1e6:.1f} us, plain {plain * 1e6:.1f} us "
-              f"(CUDA-graph replay)\n{format_summary(launch_us, spans)}", flush=True)
+        plain = time_mono(cfg, args.tp, tokens, sets, options=options)
+        print(f"T={args.tp} S={tokens} poll sleep {sleep_ns} ns: traced launch {traced * 1e6:.1f} us, plain "
+              f"{plain * 1e6:.1f} us (CUDA-graph replay)\n{format_summary(launch_us, spans)}", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            record = dict(tp=args.tp, tokens=tokens, traced_us=traced * 1e6, plain_us=plain * 1e6,
-                          launch_span_us=launch_us, kinds=[dataclasses.asdict(s) for s in spans])
-            with open(os.path.join(args.out, f"mono-trace-S{tokens}.json"), "w") as f:
+            record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, traced_us=traced * 1e6,
+                          plain_us=plain * 1e6, launch_span_us=launch_us, kinds=[dataclasses.asdict(s) for s in spans])
+            with open(os.path.join(args.out, f"mono-trace-S{tokens}-sleep{sleep_ns}.json"), "w") as f:
                 json.dump(record, f, indent=1)
 
 

@@ -103,6 +103,7 @@ def _interpreting() -> bool:
 
 TRACE_WORDS = 4  # kernels/mono.py: a traced ticket's SM, taken, ready, done
 DEFAULT_PREFETCH = 0
+MAX_POLL_SLEEP_NS = 1_000_000  # PTX nanosleep's bound (1 ms)
 DEFAULT_CTAS_PER_SM = 2
 """Measured on the H200 at one rank of TP8 (benchmarks/mono_sweep.py, docs/PERF.md):
 two CTAs a SM took S = 1 from 182 to 148 us and S = 8 from 415 to 341 us (four
@@ -130,6 +131,7 @@ class MonoBuild:
     tiles: TileChoice = TileChoice()  # MonoOptions.tiles
     outline_tasks: bool = False  # MonoOptions.outline_tasks
     trace: bool = False  # record each ticket's SM and times (k3mono/trace.py); compiled builds only
+    poll_sleep_ns: int = 0  # MonoOptions.poll_sleep_ns
 
     def __post_init__(self):
         if not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
@@ -138,12 +140,15 @@ class MonoBuild:
             raise K3InputError(f"prefetch: expected 0, 1 or 2, got {self.prefetch!r}")
         if self.scope not in ("gpu", "sys"):
             raise K3InputError(f"scope: expected 'gpu' or 'sys', got {self.scope!r}")
+        if not (isinstance(self.poll_sleep_ns, int) and 0 <= self.poll_sleep_ns <= MAX_POLL_SLEEP_NS):
+            raise K3InputError(f"poll_sleep_ns: expected an integer in 0..{MAX_POLL_SLEEP_NS}, got {self.poll_sleep_ns!r}")
         if self.max_registers is not None and not (isinstance(self.max_registers, int) and 24 <= self.max_registers <= 255):
             raise K3InputError(f"max_registers: expected an integer in 24..255 or None, got {self.max_registers!r}")
 
     @property
     def options(self) -> MonoOptions:
-        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c, self.tiles, self.outline_tasks)
+        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c, self.tiles, self.outline_tasks,
+                                     self.poll_sleep_ns)
 
 
 # -- layouts -------------------------------------------------------------------------------
@@ -276,6 +281,7 @@ def build(key: MonoBuild) -> Compiled:
         SACT_B=elems(scratch["shared_act"][0], 2), CTL_I=elems(scratch["ctl"][0], 4),
         PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b), **_m1c_consts(g.m1c),
         **task_functions(key.outline_tasks), TRACE=key.trace,
+        SLEEP_NS=0 if _interpreting() else key.poll_sleep_ns,  # the interpreter has no sleep (a timing knob only)
     )
     compiled = Compiled(key, table, _table_rows(table, key.loopback), grid, consts, peer, scratch, data, scratch_lay)
     _CACHE[key] = compiled
@@ -771,7 +777,8 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
                      m1b=options.m1b, m1c=options.m1c, max_registers=max_registers,
-                     tiles=options.tiles, outline_tasks=options.outline_tasks, trace=trace)
+                     tiles=options.tiles, outline_tasks=options.outline_tasks, trace=trace,
+                     poll_sleep_ns=options.poll_sleep_ns)
 
 
 class MonoRunner:

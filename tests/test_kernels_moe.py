@@ -408,8 +408,9 @@ _SM90_BUILDS = textwrap.dedent(
     compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, outline_tasks=True)  # three CTAs, no cap, no spills
     usage = offline.resource_usage(compiled)
     assert usage["stack"] <= 32 and offline.ctas_per_sm(usage, compiled.metadata.num_warps) >= 3, usage
-    compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, trace=True)  # k3mono/trace.py's readings
-    assert "%globaltimer" in compiled.asm["ptx"] and "%smid" in compiled.asm["ptx"]
+    compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, trace=True, poll_sleep_ns=200)
+    ptx = compiled.asm["ptx"]  # k3mono/trace.py's readings; the pause between polls
+    assert "%globaltimer" in ptx and "%smid" in ptx and "nanosleep.u32" in ptx
     print("ok")
     """
 )
@@ -420,7 +421,8 @@ def test_sm90_builds_place_nibbles_with_imad_and_mono_fits_its_planned_ctas():
     loops place each nibble with one IMAD and do not spill; the mono kernel
     compiles, plain and with M1c and M1b folded in, and its registers leave room
     for the CTAs a SM its grid is planned for; with its task functions outlined,
-    for three without spilling; a trace build reads the global timer. Runs in a child process: the
+    for three without spilling; a trace build reads the global timer, and
+    waits can pause between polls. Runs in a child process: the
     interpreter, on in this one, cannot compile."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

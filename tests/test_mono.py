@@ -274,6 +274,14 @@ def test_a_register_cap_is_checked_and_changes_no_bits_under_the_interpreter():
     assert same_bits(plain, MonoRunner(cfg, shards, tokens, layer, max_registers=168)(**inputs))
 
 
+def test_a_poll_pause_is_checked_and_the_interpreter_takes_none():
+    cfg = preset("tiny")
+    with pytest.raises(K3InputError, match="poll_sleep_ns"):
+        MonoBuild(cfg=cfg, tokens=1, tp=1, poll_sleep_ns=-1)
+    key = MonoBuild(cfg=cfg, tokens=1, tp=1, poll_sleep_ns=200)
+    assert key.options.poll_sleep_ns == 200 and build(key).consts["SLEEP_NS"] == 0
+
+
 def test_outlined_task_functions_change_no_bits_and_key_their_own_build():
     cfg, tokens, layer = preset("tiny"), 2, 1
     shards = shard_all(layer_weights(), cfg, 2)

@@ -355,11 +355,13 @@ def reduce3_task(
 
 @triton.jit
 def _wait_word(
-    i: tl.constexpr, row_ptr, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE: tl.constexpr
+    i: tl.constexpr, row_ptr, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE: tl.constexpr,
+    SLEEP_NS: tl.constexpr,
 ):
     word = tl.load(row_ptr + C_WAIT0 + 2 * i)
     count = tl.load(row_ptr + C_WAIT0 + 2 * i + 1)
-    return wait_counter(flags_ptr + word, epoch * count, limit, health_ptr, rank, layer, ticket, word, epoch, SCOPE)
+    return wait_counter(flags_ptr + word, epoch * count, limit, health_ptr, rank, layer, ticket, word, epoch, SCOPE,
+                        SLEEP_NS)
 
 
 @triton.jit
@@ -603,6 +605,7 @@ def _mono_kernel(
     M1C_TASK: tl.constexpr,
     M1B_TASK: tl.constexpr,
     TRACE: tl.constexpr,  # record every ticket's SM and times (_record_task)
+    SLEEP_NS: tl.constexpr,  # a waiting CTA's pause between polls (sync.pause; 0: none)
 ):
     epoch = tl.load(epoch_ptr)
     parity = epoch & 1
@@ -639,7 +642,7 @@ def _mono_kernel(
         # (1) the waits that gate weight addresses
         for i in tl.static_range(MAX_WAITS):
             if (i < naddr) & (ok != 0):
-                ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE)
+                ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
 
         # (2) weights before waits
         if PREFETCH > 0:
@@ -675,7 +678,7 @@ def _mono_kernel(
         # (3) the other waits, in table order
         for i in tl.static_range(MAX_WAITS):
             if (i >= naddr) & (i < nwaits) & (ok != 0):
-                ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE)
+                ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
 
         # (4) the task
         if TRACE:

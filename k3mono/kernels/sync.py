@@ -16,8 +16,9 @@ times. The comparison is wrap-safe: int32(word - target) >= 0.
   done), then one release atomic (Triton runs a scalar atomic on one thread:
   the word grows by exactly one).
 
-No inline asm: polls and raises are tl.atomic_* (portable to the AMD backend
-and to the CPU interpreter). SCOPE is a constexpr: "gpu" between CTAs of one
+Polls and raises are tl.atomic_* (portable to the AMD backend and to the CPU
+interpreter); the only inline asm is the optional pause between polls
+(``SLEEP_NS``, NVIDIA builds; the interpreter and AMD take 0). SCOPE is a constexpr: "gpu" between CTAs of one
 GPU (loopback, every rank on one device), "sys" where peers write over NVLink.
 
 Health buffer of a rank (int32 words, ``HEALTH_WORDS``):
@@ -50,6 +51,15 @@ def poll_once(ptr, SCOPE: tl.constexpr):
 
 
 @triton.jit
+def pause(ns):
+    """Sleep this warp about ``ns`` nanoseconds (inline PTX: compiled builds only).
+    A spinning CTA then leaves its SM's issue slots to the CTA beside it, which
+    may be running the very task it waits for."""
+    return tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def wait_counter(
     ptr,  # int32 flag word
     target,  # int32: epoch * count (wrap-safe)
@@ -61,12 +71,15 @@ def wait_counter(
     word,  # the flag word's index (for the record)
     epoch,
     SCOPE: tl.constexpr,
+    SLEEP_NS: tl.constexpr = 0,  # pause between polls (0: none; compiled builds only)
 ):
     """Poll ``ptr`` until it reaches ``target`` or ``limit`` polls passed; returns
     ok (int32 1 / 0)."""
     seen = poll_once(ptr, SCOPE)
     n = limit * 0
     while ((seen - target) < 0) & (n < limit):
+        if SLEEP_NS > 0:
+            pause(SLEEP_NS)
         if n % ALARM_EVERY == ALARM_EVERY - 1:
             # another wait of this rank failed: give up now (its record says why)
             if tl.atomic_add(health_ptr, 0, sem="relaxed", scope=SCOPE) != 0:
