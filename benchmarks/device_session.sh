@@ -13,7 +13,7 @@
 # outline: the mono launch with its task functions inlined or outlined, at 2 and 3 CTAs a SM;
 # outline_check: the outlined build at 3 CTAs a SM checked (T = 8, S = 1 and 8);
 # trace: where the mono launch's time goes, per task kind, from a trace build (S = 1, 8);
-# sleep: the trace at three pauses between polls;
+# defaults: the mono defaults against their alternatives; sleep: the trace at three pauses between polls;
 # loops: the expert stages' loops at other pipeline depths and unroll factors (staged);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -90,6 +90,9 @@ for s in $STEPS; do
             --occupy-sms 0 --ctas-per-sm 3 --outline ;;
     trace)  # every ticket's SM and times, per task kind (a trace build), S = 1 and 8
         step mono_trace 200 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
+    defaults)  # the mono defaults against their alternatives (expert rows, pause between polls), S = 1 and 8
+        step mono_defaults 200 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-rows 32 16 \
+            --poll-sleep-ns 0 250 ;;
     sleep)  # the trace with waiting CTAs pausing 0, 250 and 1000 ns between polls, S = 1 and 8
         step mono_trace_sleep 300 python3 benchmarks/mono_trace.py --tokens 1 8 --poll-sleep-ns 0 250 1000 \
             --out "$RESULTS" ;;

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from k3mono.config import preset
-from k3mono.mono import DEFAULT_CTAS_PER_SM, MonoRunner, device_sms
-from k3mono.planner import DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, MonoOptions, TileChoice
+from k3mono.mono import DEFAULT_CTAS_PER_SM, DEFAULT_POLL_SLEEP_NS, DEFAULT_TILES, MonoRunner, default_options, device_sms
+from k3mono.planner import MonoOptions, TileChoice
 from k3mono.runner import Oracle
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_shard
@@ -132,7 +132,7 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, exp
     kernel holds ``occupy_sms`` SMs; judged against ``expected`` bit for bit.
     Returns the number of failures."""
     started = time.time()
-    runner = MonoRunner(cfg, shards, 1, LAYER, sms=ctas, options=MonoOptions(ctas_per_sm=1))
+    runner = MonoRunner(cfg, shards, 1, LAYER, sms=ctas, options=default_options(ctas_per_sm=1))
     label = f"grid {runner.compiled.grid:>3} CTAs" + (f" beside a kernel on {occupy_sms} SMs" if occupy_sms else "")
     try:
         if occupy_sms:
@@ -157,9 +157,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
-    parser.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB, help="TileChoice.dense_step_kb")
-    parser.add_argument("--expert-rows", type=int, default=EXPERT_ROWS, help="TileChoice.expert_rows")
-    parser.add_argument("--router-rows", type=int, default=ROUTER_ROWS, help="TileChoice.router_rows")
+    parser.add_argument("--dense-step-kb", type=int, default=DEFAULT_TILES.dense_step_kb, help="TileChoice.dense_step_kb")
+    parser.add_argument("--expert-rows", type=int, default=DEFAULT_TILES.expert_rows, help="TileChoice.expert_rows")
+    parser.add_argument("--router-rows", type=int, default=DEFAULT_TILES.router_rows, help="TileChoice.router_rows")
+    parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--ctas-per-sm", type=int, default=DEFAULT_CTAS_PER_SM, help="MonoOptions.ctas_per_sm")
     parser.add_argument("--outline", action="store_true", help="MonoOptions.outline_tasks")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
@@ -193,7 +194,8 @@ def main() -> int:
             for tokens in args.tokens:
                 tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
                                    router_rows=args.router_rows)
-                options = MonoOptions(ctas_per_sm=args.ctas_per_sm, tiles=tiles, outline_tasks=args.outline)
+                options = default_options(ctas_per_sm=args.ctas_per_sm, tiles=tiles, outline_tasks=args.outline,
+                                          poll_sleep_ns=args.poll_sleep_ns)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, options)
         if tp == 8:
             inputs, expected = default_grid_run(cfg, shards, device)

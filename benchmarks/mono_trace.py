@@ -21,8 +21,7 @@ import torch
 
 from k3mono.bench import WEIGHT_SETS, mono_runners, time_mono
 from k3mono.config import preset
-from k3mono.mono import DEFAULT_CTAS_PER_SM
-from k3mono.planner import MonoOptions
+from k3mono.mono import default_options
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
 from k3mono.trace import format_summary, summarize
@@ -55,7 +54,7 @@ def main() -> None:
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     for tokens, sleep_ns in itertools.product(args.tokens, args.poll_sleep_ns):
-        options = MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, poll_sleep_ns=sleep_ns)
+        options = default_options(poll_sleep_ns=sleep_ns)
         runners = mono_runners(cfg, args.tp, tokens, sets, trace=True, options=options)
         launch_us, spans = traced_launch(runners)
         traced = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])

@@ -222,11 +222,11 @@ def m1b_runners(cfg, tp: int, tokens: int, weight_sets: list, layer: int) -> lis
     rank 0's tensors), its inputs loaded: rank 0's launch is ready to replay."""
     import dataclasses
 
-    from .mono import DEFAULT_CTAS_PER_SM, MonoRunner
-    from .planner import M1bShape, MonoOptions
+    from .mono import MonoRunner, default_options
+    from .planner import M1bShape
     from .synthetic import random_inputs
 
-    options = MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, m1b=M1bShape(splits=FOLD_SPLITS, latent=LATENT_DIM))
+    options = default_options(m1b=M1bShape(splits=FOLD_SPLITS, latent=LATENT_DIM))
     runners = []
     for seed, shard in enumerate(weight_sets):
         device = shard.o_proj.device
@@ -290,8 +290,8 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     are every rank's (the loopback pre-writes come from the same staged chain)."""
     import dataclasses
 
-    from .mono import DEFAULT_CTAS_PER_SM, MonoRunner
-    from .planner import M1bShape, M1cShape, MonoOptions
+    from .mono import MonoRunner, default_options
+    from .planner import M1bShape, M1cShape
     from .synthetic import random_inputs
 
     device = shard.o_proj.device
@@ -305,13 +305,13 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     attend()  # the split outputs the m1b runner's M1b reads
     staged_back, core = back_call(attn, o, lse)
     staged_back()
-    plain = MonoRunner(cfg, ranks, tokens, layer, options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM))
+    plain = MonoRunner(cfg, ranks, tokens, layer, options=default_options())
     plain.load_inputs(core.repeat(1, tp), act["prefix"], act["blocks"])  # every rank's heads see rank 0's inputs
     back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
-    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, m1b=m1b))
+    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=default_options(m1b=m1b))
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
     folded_c = MonoRunner(cfg, ranks, tokens, layer,
-                          options=MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM, m1b=m1b, m1c=m1c))
+                          options=default_options(m1b=m1b, m1c=m1c))
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {
         "separate": lambda: (attend(), back(), plain.launch(0)),

@@ -112,6 +112,24 @@ gave nothing more); the L2 prefetch before a blocking wait (mode 1) cost 20 to
 in registers across the wait."""
 
 
+DEFAULT_TILES = TileChoice(expert_rows=16)
+"""Measured on the H200 (benchmarks/mono_sweep.py, docs/PERF.md): with the expert
+loops reading straight into registers, 16 expert rows took the mono launch at
+S = 1 from 140.9 to 127.4 us and at S = 8 from 334.7 to 317.1 (the staged path
+keeps 32: its down stage at S = 8 took 64 us at 16 rows against 41)."""
+DEFAULT_POLL_SLEEP_NS = 250
+"""Measured on the H200 (benchmarks/mono_trace.py): a waiting CTA pausing 250 ns
+between polls took S = 1 from 128.3 to 124.8 us (1000 ns: 131.0); the seam and
+the route, one CTA each beside spinning ones, ran 4 and 2 us shorter."""
+
+
+def default_options(**choices) -> MonoOptions:
+    """MonoOptions at the measured defaults (DEFAULT_CTAS_PER_SM, DEFAULT_TILES,
+    DEFAULT_POLL_SLEEP_NS), any field overridden by ``choices``."""
+    fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=DEFAULT_TILES, poll_sleep_ns=DEFAULT_POLL_SLEEP_NS)
+    return MonoOptions(**{**fields, **choices})
+
+
 @dataclass(frozen=True)
 class MonoBuild:
     cfg: K3Config
@@ -770,10 +788,10 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
              options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH, scope: str = "gpu",
              max_registers: int | None = None, trace: bool = False) -> MonoBuild:
     """The build key of a rank's launch for ``layer`` (its AttnRes candidate pad),
-    the measured defaults (DEFAULT_CTAS_PER_SM, DEFAULT_PREFETCH) unless given."""
+    the measured defaults (default_options, DEFAULT_PREFETCH) unless given."""
     from .kernels.attnres import num_candidates_pad
 
-    options = options or MonoOptions(ctas_per_sm=DEFAULT_CTAS_PER_SM)
+    options = options or default_options()
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
                      m1b=options.m1b, m1c=options.m1c, max_registers=max_registers,

@@ -11,9 +11,7 @@ VB = geom.vector_block columns per step.
     x      = bf16(post_norm * bf16(h * rsqrt(mean(h^2) + eps)))
 
 The scores need all of H before any mixing can start, and the norm needs all of
-h, so a task is one token, in three sweeps over H, each unrolled so that its
-loads are in flight together (one token's seam lies on the launch's critical
-path; a rolled sweep waited out H / VB loads one after another): (1) the squared sums and the
+h, so a task is one token, in three sweeps over H: (1) the squared sums and the
 q-dot of every candidate in one read, score_i = r_i * (V_i . q) (the reference
 scales before the dot; the two differ by fp32 rounding only); (2) mix, round h
 and stage it in x_out while summing h^2; (3) normalise x_out in place.
@@ -74,12 +72,12 @@ def attnres_task(
     # (1) per candidate: sum V^2 and V . q in one read.
     sumsq = tl.zeros([CANDS], dtype=tl.float32)
     qdot = tl.zeros([CANDS], dtype=tl.float32)
-    for i in tl.static_range(CANDS):
+    for i in range(CANDS):
         if i < n_cand:
             row = _candidate_row(i, s, nb, blocks_ptr, stride_bs, stride_bn, prefix_ptr, stride_ps)
             ss = tl.zeros([VB], dtype=tl.float32)
             qd = tl.zeros([VB], dtype=tl.float32)
-            for c0 in tl.static_range(0, H, VB):
+            for c0 in range(0, H, VB):
                 cols = c0 + offs
                 m = cols < H
                 v = as_f32(tl.load(row + cols, mask=m, other=0.0))
@@ -98,11 +96,11 @@ def attnres_task(
 
     # (2) h = bf16(sum_i a_i V_i), staged in x_out; sum of h^2 for the norm.
     hsq = tl.zeros([VB], dtype=tl.float32)
-    for c0 in tl.static_range(0, H, VB):
+    for c0 in range(0, H, VB):
         cols = c0 + offs
         m = cols < H
         h = tl.zeros([VB], dtype=tl.float32)
-        for i in tl.static_range(CANDS):
+        for i in range(CANDS):
             if i < n_cand:
                 row = _candidate_row(i, s, nb, blocks_ptr, stride_bs, stride_bn, prefix_ptr, stride_ps)
                 a_i = tl.sum(tl.where(cand == i, a, 0.0), axis=0)
@@ -117,7 +115,7 @@ def attnres_task(
 
     # (3) x = rms(h, post_norm), in place.
     r = rsqrt_rn(tl.sum(hsq, axis=0) / H + eps)
-    for c0 in tl.static_range(0, H, VB):
+    for c0 in range(0, H, VB):
         cols = c0 + offs
         m = cols < H
         h = as_f32(tl.load(x_ptr + s * stride_xs + cols, mask=m, other=0.0))
