@@ -6,7 +6,7 @@
 #   K3MONO_COMMIT=<hash> bash benchmarks/device_session.sh [steps...]
 #
 # Steps (default: all one-GPU steps, in this order): check ranks mla_check bench variants mla sweep
-# (ranks ends with faults, the fault tests alone); m1b: M1b alone and folded, briefly
+# (ranks ends with faults, the fault tests alone; ranks_t8 its first case, briefly); m1b: M1b alone and folded, briefly
 # (the sweep is where a new knob is decided: put it first when one is pending); profile:
 # Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8); stalls: all
 # counters of the expert stages and the mono launch (S = 1); tiles: the sweep's expert tiles only;
@@ -73,6 +73,8 @@ for s in $STEPS; do
         faults ;;
     faults)
         faults ;;
+    ranks_t8)  # the full-peer path alone, briefly: T = 8 ranks at once on green contexts, S = 1
+        step ranks_green_t8 150 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --replays 20 --out "$RESULTS" ;;
     bench)
         step bench 420 python3 -m k3mono bench --tp 8 --tokens 1 8 16 --out "$RESULTS" ;;
     variants)
