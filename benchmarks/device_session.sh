@@ -10,8 +10,6 @@
 # (the sweep is where a new knob is decided: put it first when one is pending); profile:
 # Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8); stalls: all
 # counters of the expert stages and the mono launch (S = 1); tiles: the sweep's expert tiles only;
-# outline: the mono launch with its task functions inlined or outlined, at 2 and 3 CTAs a SM;
-# outline_check: the outlined build at 3 CTAs a SM checked (T = 8, S = 1 and 8);
 # trace: where the mono launch's time goes, per task kind, from a trace build (S = 1, 8);
 # defaults: the mono defaults against their alternatives; sleep: the trace at three pauses between polls;
 # loops: the expert stages' loops at other pipeline depths and unroll factors (staged);
@@ -85,11 +83,6 @@ for s in $STEPS; do
     sweep)
         step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
-    outline)
-        step mono_outline 300 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 3 --prefetch 0 --outline 0 1 ;;
-    outline_check)
-        step gpu_check_outline 150 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 1 8 --grids \
-            --occupy-sms 0 --ctas-per-sm 3 --outline ;;
     trace)  # every ticket's SM and times, per task kind (a trace build), S = 1 and 8
         step mono_trace 200 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
     defaults)  # the mono defaults against their alternatives (expert rows, pause between polls), S = 1 and 8

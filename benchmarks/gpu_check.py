@@ -162,7 +162,6 @@ def main() -> int:
     parser.add_argument("--router-rows", type=int, default=DEFAULT_TILES.router_rows, help="TileChoice.router_rows")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--ctas-per-sm", type=int, default=DEFAULT_CTAS_PER_SM, help="MonoOptions.ctas_per_sm")
-    parser.add_argument("--outline", action="store_true", help="MonoOptions.outline_tasks")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     args = parser.parse_args()
@@ -194,8 +193,7 @@ def main() -> int:
             for tokens in args.tokens:
                 tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
                                    router_rows=args.router_rows)
-                options = default_options(ctas_per_sm=args.ctas_per_sm, tiles=tiles, outline_tasks=args.outline,
-                                          poll_sleep_ns=args.poll_sleep_ns)
+                options = default_options(ctas_per_sm=args.ctas_per_sm, tiles=tiles, poll_sleep_ns=args.poll_sleep_ns)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, options)
         if tp == 8:
             inputs, expected = default_grid_run(cfg, shards, device)

@@ -7,13 +7,11 @@ grid, not a register budget, sets how many warps an SM holds).
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
                                     [--dense-step-kb 8 16 32] [--expert-rows 32 16 8] [--router-rows 8 4 2]
-                                    [--outline 0 1] [--poll-sleep-ns 0 200]
+                                    [--poll-sleep-ns 0 200]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
 (maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
 (benchmarks/resource_check.py); 168 lets 3 fit, 128 lets 4, at the cost of spills.
-``--outline 1`` compiles the self-storing task functions as calls
-(MonoOptions.outline_tasks): 168 registers with no cap and no spills offline.
 ``--poll-sleep-ns`` the pause of a waiting CTA between polls (MonoOptions.poll_sleep_ns).
 """
 
@@ -52,7 +50,6 @@ def main() -> None:
     parser.add_argument("--dense-step-kb", type=int, nargs="+", default=[DENSE_STEP_KB])
     parser.add_argument("--expert-rows", type=int, nargs="+", default=[EXPERT_ROWS])
     parser.add_argument("--router-rows", type=int, nargs="+", default=[ROUTER_ROWS])
-    parser.add_argument("--outline", type=int, nargs="+", default=[0], help="0 inline tasks, 1 outlined (calls)")
     parser.add_argument("--poll-sleep-ns", type=int, nargs="+", default=[0], help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args()
@@ -62,17 +59,16 @@ def main() -> None:
         staged_tiles = itertools.product(args.dense_step_kb, args.expert_rows, args.router_rows)
         for tiles in dict.fromkeys(TileChoice(dense_step_kb=k, expert_rows=e, router_rows=r) for k, e, r in staged_tiles):
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
-        knobs = itertools.product(args.prefetch, args.outline, args.poll_sleep_ns, args.ctas, args.dense_step_kb,
-                                  args.expert_rows, args.router_rows)
-        for prefetch, outline, sleep_ns, config, step_kb, expert_rows, router_rows in knobs:
+        knobs = itertools.product(args.prefetch, args.poll_sleep_ns, args.ctas, args.dense_step_kb, args.expert_rows,
+                                  args.router_rows)
+        for prefetch, sleep_ns, config, step_kb, expert_rows, router_rows in knobs:
             ctas, _, cap = config.partition(":")
-            label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} outline {outline} sleep {sleep_ns} ns "
+            label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} sleep {sleep_ns} ns "
                      f"ctas/SM {config} "
                      f"dense step {step_kb} KB expert rows {expert_rows} router rows {router_rows}")
             try:
                 tiles = TileChoice(dense_step_kb=step_kb, expert_rows=expert_rows, router_rows=router_rows)
-                options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, outline_tasks=bool(outline),
-                                      poll_sleep_ns=sleep_ns)
+                options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, poll_sleep_ns=sleep_ns)
                 mono = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch,
                                  max_registers=int(cap) if cap else None)
                 print(f"{label}: {mono * 1e6:8.1f} us", flush=True)

@@ -147,7 +147,6 @@ class MonoBuild:
     variant: tuple[str, int] | None = None  # (how, TaskKind code): planner.timing_variant, timing only
     max_registers: int | None = None  # ptxas's cap a thread (Triton's maxnreg); None: the compiler's choice
     tiles: TileChoice = TileChoice()  # MonoOptions.tiles
-    outline_tasks: bool = False  # MonoOptions.outline_tasks
     trace: bool = False  # record each ticket's SM and times (k3mono/trace.py); compiled builds only
     poll_sleep_ns: int = 0  # MonoOptions.poll_sleep_ns
 
@@ -165,8 +164,7 @@ class MonoBuild:
 
     @property
     def options(self) -> MonoOptions:
-        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c, self.tiles, self.outline_tasks,
-                                     self.poll_sleep_ns)
+        return MonoOptions.from_bits(self.opt, self.ctas_per_sm, self.m1b, self.m1c, self.tiles, self.poll_sleep_ns)
 
 
 # -- layouts -------------------------------------------------------------------------------
@@ -254,7 +252,6 @@ def build(key: MonoBuild) -> Compiled:
     from .kernels import common
     from .kernels.experts import _block_groups
     from .kernels.gemv import even_k
-    from .kernels.mono import task_functions
 
     cfg, T, S = key.cfg, key.tp, key.tokens
     table = plan(cfg, T, S, key.sms, key.options)
@@ -298,7 +295,7 @@ def build(key: MonoBuild) -> Compiled:
         ACT_B=elems(scratch["expert_act"][0], 2), LAT_B=elems(scratch["latent"][0], 2),
         SACT_B=elems(scratch["shared_act"][0], 2), CTL_I=elems(scratch["ctl"][0], 4),
         PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b), **_m1c_consts(g.m1c),
-        **task_functions(key.outline_tasks), TRACE=key.trace,
+        TRACE=key.trace,
         SLEEP_NS=0 if _interpreting() else key.poll_sleep_ns,  # the interpreter has no sleep (a timing knob only)
     )
     compiled = Compiled(key, table, _table_rows(table, key.loopback), grid, consts, peer, scratch, data, scratch_lay)
@@ -795,8 +792,7 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
                      m1b=options.m1b, m1c=options.m1c, max_registers=max_registers,
-                     tiles=options.tiles, outline_tasks=options.outline_tasks, trace=trace,
-                     poll_sleep_ns=options.poll_sleep_ns)
+                     tiles=options.tiles, trace=trace, poll_sleep_ns=options.poll_sleep_ns)
 
 
 class MonoRunner:

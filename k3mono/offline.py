@@ -139,13 +139,12 @@ MLA_CONTEXT = 1024  # a build reads no lengths: any context compiles the same ke
 
 
 def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_registers: int | None = None,
-               tiles: TileChoice | None = None, outline_tasks: bool = False, trace: bool = False,
-               poll_sleep_ns: int | None = None):
+               tiles: TileChoice | None = None, trace: bool = False, poll_sleep_ns: int | None = None):
     """The mono kernel of rank 0 as the host path launches it: (compiled, grid).
     ``mla``: "" a plain layer, "m1b" M1b folded in, "m1c" M1c and M1b folded in
     (bench_mla's inputs: one request a token, its splits and page size, bf16 cache
     and w_v); ``max_registers`` the maxnreg cap (mono.MonoBuild); ``tiles``
-    ``outline_tasks`` and ``poll_sleep_ns`` MonoOptions' (None: mono.default_options');
+    and ``poll_sleep_ns`` MonoOptions' (None: mono.default_options');
     ``trace`` a trace build (k3mono/trace.py)."""
     from .bench_mla import FOLD_SPLITS, PAGE_SIZE, m1b_inputs, mla_layer_inputs
     from .kernels import mono as mono_kernels
@@ -156,7 +155,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     m1b = M1bShape(splits=FOLD_SPLITS, latent=512) if mla else None
     m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens) if mla == "m1c" else None
     chosen = {name: value for name, value in (("tiles", tiles), ("poll_sleep_ns", poll_sleep_ns)) if value is not None}
-    options = default_options(m1b=m1b, m1c=m1c, outline_tasks=outline_tasks, **chosen)
+    options = default_options(m1b=m1b, m1c=m1c, **chosen)
     key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options, max_registers=max_registers,
                    trace=trace)
     buffers = [torch.zeros(buffer_bytes(build(key).peer), dtype=torch.uint8) for _ in range(1 if loopback else tp)]

@@ -474,9 +474,6 @@ class MonoOptions:
     never risks a deadlock: a CTA that is not resident holds no ticket.
     tiles (a build-key part, not in ``bits()``): task sizes other than the
     staged path's (TileChoice: the dense GEMV step, the expert and router task rows).
-    outline_tasks (a build-key part, not in ``bits()``; the table is the same):
-    compile the task functions that store their own results as calls
-    (kernels/mono.py task_functions), fewer registers a thread, so more CTAs fit a SM.
     poll_sleep_ns (a build-key part, not in ``bits()``): a waiting CTA sleeps this
     long between polls (compiled NVIDIA builds; 0: it spins), leaving the issue
     slots of its SM to the CTA beside it.
@@ -487,7 +484,6 @@ class MonoOptions:
     m1b: M1bShape | None = None
     m1c: M1cShape | None = None
     tiles: TileChoice = TileChoice()
-    outline_tasks: bool = False
     poll_sleep_ns: int = 0
 
     def bits(self) -> int:
@@ -497,7 +493,7 @@ class MonoOptions:
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
                   m1c: M1cShape | None = None, tiles: TileChoice = TileChoice(),
-                  outline_tasks: bool = False, poll_sleep_ns: int = 0) -> "MonoOptions":
+                  poll_sleep_ns: int = 0) -> "MonoOptions":
         if bits & ~OPT_ALL:
             raise K3InputError(f"options: unknown option bits {bits & ~OPT_ALL:#x}")
         if bool(bits & OPT_M1B) != (m1b is not None):
@@ -505,7 +501,7 @@ class MonoOptions:
         if bool(bits & OPT_M1C) != (m1c is not None):
             raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
         return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
-                   tiles=tiles, outline_tasks=outline_tasks, poll_sleep_ns=poll_sleep_ns)
+                   tiles=tiles, poll_sleep_ns=poll_sleep_ns)
 
 
 @dataclass(frozen=True)

@@ -282,18 +282,6 @@ def test_a_poll_pause_is_checked_and_the_interpreter_takes_none():
     assert key.options.poll_sleep_ns == 200 and build(key).consts["SLEEP_NS"] == 0
 
 
-def test_outlined_task_functions_change_no_bits_and_key_their_own_build():
-    cfg, tokens, layer = preset("tiny"), 2, 1
-    shards = shard_all(layer_weights(), cfg, 2)
-    inputs = random_inputs(cfg, tokens, layer, seed=22)
-    plain = MonoRunner(cfg, shards, tokens, layer)
-    outlined = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(outline_tasks=True))
-    assert outlined.key != plain.key and outlined.key.options.outline_tasks
-    twin, inlined = outlined.compiled.consts["EXPERT_GU_TASK"], plain.compiled.consts["EXPERT_GU_TASK"]
-    assert outlined.compiled.consts["OUTLINE"] and twin is not inlined and twin.fn is inlined.fn
-    assert same_bits(plain(**inputs), outlined(**inputs))
-
-
 def test_any_grid_completes_and_the_last_cta_out_resets_the_counters():
     """Grids of 1, 7 and 100 CTAs (under the interpreter the first program walks
     the table, the others find no ticket): the same bits, the ticket and CTA

@@ -25,22 +25,24 @@ Per task:
    in one loop, so what is prefetched is an L2 warm-up, not registers kept
    across the wait;
 3. poll the other waits, in table order;
-4. run the stage task function unchanged, store what it returns: into each of
-   the NP peer buffers for tiles every rank needs (o_proj / final partials to
-   ar slot ``rank``, router logits and z into the rank's columns), then raise
-   the task's flag on each peer (barrier + one release atomic).
-   expert_down_task stores its tile itself: into the own ar2 slot, then (NP > 1)
-   the CTA copies the rows to every peer before raising. mla_back_task (M1B,
-   an MLA layer's first tasks) stores its columns of the rank's core itself;
-   the own CORE flag then counts them for OPROJ. mla_attn_task (M1C, before
+4. run the kind's task function, which stores its own results: the GEMV kinds
+   (``*_push_task`` below: the stage task function unchanged, then its tile
+   into each of the NP peer buffers: o_proj / final partials to ar slot
+   ``rank``, router logits and z into the rank's columns) raise the task's
+   flag on each peer (barrier + one release atomic); expert_down_push_task
+   stores into the own ar2 slot, then (NP > 1) copies the rows to every peer
+   before raising. mla_back_task (M1B, an MLA layer's first tasks) stores its
+   columns of the rank's core; the own CORE flag then counts them for OPROJ. mla_attn_task (M1C, before
    M1B) stores one (token, split, head block) of the split outputs into the
    launch's scratch (layout.scratch_layout: split_o, split_lse); the own
    SPLITS flag counts them for M1B.
 
 A failed (timed out) wait records itself in the health buffer (sync.py) and
-stops the CTA. On exit every CTA bumps ``ctl[1]``; the last one resets both
-control words and advances the rank's device ``epoch`` word, so the next
-launch (a CUDA-graph replay included) needs no host work.
+stops the CTA. A TRACE build records every ticket's SM and global-timer
+readings (taken, ready, done) for k3mono/trace.py. On exit every CTA bumps
+``ctl[1]``; the last one resets both control words and advances the rank's
+device ``epoch`` word, so the next launch (a CUDA-graph replay included)
+needs no host work.
 
 Peer buffer of a rank (the kernel reads the NP peers' base addresses from a
 device table in a loop that is not unrolled: NP buffers as kernel arguments,
@@ -169,9 +171,8 @@ def _push_rows(
         store_rows(_peer(peer_table_ptr, p, DTYPE) + slot, stride, tile, row0, S, N, SP, ROWS)
 
 
-# The GEMV tasks with their pushes: a task function that stores what it
-# computes takes and returns no tensor, so it can be compiled as a call
-# (task_functions). ``slot`` is the rank's slot in this epoch's region
+# The GEMV tasks with their pushes, so that every task kind is one call that
+# stores its own results. ``slot`` is the rank's slot in this epoch's region
 # (elements of the pushed dtype), ``word`` the raised flag's word.
 
 
@@ -371,39 +372,6 @@ def _would_block(i: tl.constexpr, row_ptr, flags_ptr, epoch, SCOPE: tl.constexpr
     return (1 - reached(poll_once(flags_ptr + word, SCOPE), epoch * count).to(tl.int32))
 
 
-_TASKS = {
-    "OPROJ_TASK": oproj_push_task,
-    "REDUCE1_TASK": reduce1_task,
-    "ATTNRES_TASK": attnres_task,
-    "ROUTER_TASK": router_push_task,
-    "LATENT_DOWN_TASK": latent_down_push_task,
-    "SHARED_GU_TASK": shared_gate_up_task,
-    "ROUTE_TASK": route_task,
-    "EXPERT_GU_TASK": expert_gate_up_task,
-    "EXPERT_DOWN_TASK": expert_down_push_task,
-    "LATENT_NORM_TASK": latent_norm_task,
-    "FINAL_TASK": final_push_task,
-    "REDUCE3_TASK": reduce3_task,
-    "M1C_TASK": mla_attn_task,
-    "M1B_TASK": mla_back_task,
-}
-"""Every task kind's function: each stores its own results (no tensor crosses the call)."""
-_STAY_INLINED = ("OPROJ_TASK", "ROUTER_TASK", "LATENT_DOWN_TASK", "FINAL_TASK")
-"""The GEMV tasks: as a call, any one of them alone took the sm_90a build from
-168 to 225 - 234 registers a thread (offline, S = 1), more than inlined."""
-_OUTLINED = {name: fn if name in _STAY_INLINED else triton.jit(fn.fn, noinline=True) for name, fn in _TASKS.items()}
-
-
-def task_functions(outline: bool) -> dict:
-    """The kernel's task-function constexprs: inlined, or (``outline``) their
-    noinline twins, each compiled as a call. Inlined, the compiler hoists every
-    task's loop-invariant arithmetic ahead of the persistent loop and keeps it
-    live across all tasks (the register peak that bounds CTAs a SM); a call
-    keeps each task's values to its own frame. OUTLINE rides along because
-    Triton keys a constexpr function by its source, which the twins share."""
-    return dict(OUTLINE=outline, **(_OUTLINED if outline else _TASKS))
-
-
 @triton.jit
 def _global_ns():
     """The GPU's global nanosecond timer, the same on every SM (inline PTX:
@@ -589,21 +557,6 @@ def _mono_kernel(
     M1C_HB: tl.constexpr,  # head blocks of a (token, split)
     M1C_BN: tl.constexpr,  # context positions a step
     M1C_STAGES: tl.constexpr,  # steps in flight
-    OUTLINE: tl.constexpr,  # the task functions below are the outlined twins (task_functions)
-    OPROJ_TASK: tl.constexpr,
-    REDUCE1_TASK: tl.constexpr,
-    ATTNRES_TASK: tl.constexpr,
-    ROUTER_TASK: tl.constexpr,
-    LATENT_DOWN_TASK: tl.constexpr,
-    SHARED_GU_TASK: tl.constexpr,
-    ROUTE_TASK: tl.constexpr,
-    EXPERT_GU_TASK: tl.constexpr,
-    EXPERT_DOWN_TASK: tl.constexpr,
-    LATENT_NORM_TASK: tl.constexpr,
-    FINAL_TASK: tl.constexpr,
-    REDUCE3_TASK: tl.constexpr,
-    M1C_TASK: tl.constexpr,
-    M1B_TASK: tl.constexpr,
     TRACE: tl.constexpr,  # record every ticket's SM and times (_record_task)
     SLEEP_NS: tl.constexpr,  # a waiting CTA's pause between polls (sync.pause; 0: none)
 ):
@@ -687,7 +640,7 @@ def _mono_kernel(
             if kind == K_M1C:
                 if M1C:
                     # tile = split * M1C_HB + head block (planner._Planner.m1c)
-                    M1C_TASK(token, tile // M1C_HB, tile % M1C_HB, q_ptr, stride_qs, stride_qh, kv_ptr,
+                    mla_attn_task(token, tile // M1C_HB, tile % M1C_HB, q_ptr, stride_qs, stride_qh, kv_ptr,
                                   stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr,
                                   attn_scale, o_ptr, stride_ok, stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls,
                                   M1C_HEADS, M1C_B, M1C_BP, PAGE_SIZE, D_LATENT, D_ROPE, SPLITS, M1C_BH, M1C_BN,
@@ -696,54 +649,54 @@ def _mono_kernel(
             elif kind == K_M1B:
                 if M1B:
                     # tile = head * (D_V / M1B_DV) + value-row block (planner._m1b_tiles)
-                    M1B_TASK(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), o_ptr, stride_ok, stride_ot,
+                    mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), o_ptr, stride_ok, stride_ot,
                                   stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale,
                                   gate_ptr, stride_gs, core_ptr, stride_cs, S, M1B_SP, SPLITS, SPLITS_P, D_LATENT,
                                   D_V, M1B_PAIRS, M1B_STAGES, M1B_DV, W_V_FP8, UPCAST)
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
-                OPROJ_TASK(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
+                oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
                            FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE1:
-                REDUCE1_TASK(start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, S, H, T, RC1)
+                reduce1_task(start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, S, H, T, RC1)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_SEAM:
-                ATTNRES_TASK(token, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb, ares_nw_ptr,
+                attnres_task(token, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb, ares_nw_ptr,
                              ares_qk_ptr, in_nw_ptr, eps, x_ptr, H, H, CANDS, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTER:
-                ROUTER_TASK(tile, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E,
+                router_push_task(tile, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E,
                             E_R, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
-                LATENT_DOWN_TASK(tile, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R, FLAG_I + rword, S, H, L,
+                latent_down_push_task(tile, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R, FLAG_I + rword, S, H, L,
                                  L_R, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_SHARED_GU:
-                SHARED_GU_TASK(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
+                shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTE:
-                ROUTE_TASK(token, own_f32 + pf + LOG_F, bias_ptr, ids_ptr, rw_ptr, scaling, E, KTOP, E_PAD)
+                route_task(token, own_f32 + pf + LOG_F, bias_ptr, ids_ptr, rw_ptr, scaling, E, KTOP, E_PAD)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_GU:
                 gu_task = (token * KTOP + slot) * tl.cdiv(I_R, GU_ROWS) + tile
-                EXPERT_GU_TASK(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr,
+                expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr,
                                     KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_DOWN:
-                EXPERT_DOWN_TASK(token, tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32, peer_table_ptr,
+                expert_down_push_task(token, tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32, peer_table_ptr,
                                  pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, S, DN_ROWS, DN_BG, NP, SCOPE)
             elif kind == K_PREFETCH_FINAL:
                 sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
                 sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
             elif kind == K_LATENT_NORM:
-                LATENT_NORM_TASK(token, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L, T, L, VB)
+                latent_norm_task(token, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L, T, L, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
-                FINAL_TASK(tile, lat_ptr + rank * L_R, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
+                final_push_task(tile, lat_ptr + rank * L_R, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
                            pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L, L_R, SI_R, SP, F_ROWS, F_BK, USE_DOT,
                            F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
-                REDUCE3_TASK(start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
+                reduce3_task(start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
             elif kind == K_NOP:
                 # a timing variant's skipped task (planner.timing_variant): only its raise
                 if rword >= 0:
