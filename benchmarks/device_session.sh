@@ -87,7 +87,9 @@ for s in $STEPS; do
         step mono_trace 200 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
     defaults)  # the mono defaults against their alternatives (expert rows, pause between polls), S = 1 and 8
         step mono_defaults 200 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-rows 32 16 \
-            --poll-sleep-ns 0 250 ;;
+            --poll-sleep-ns 0 250
+        step mono_router_rows 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-rows 16 \
+            --poll-sleep-ns 250 --router-rows 8 4 2 ;;
     sleep)  # the trace with waiting CTAs pausing 0, 250 and 1000 ns between polls, S = 1 and 8
         step mono_trace_sleep 300 python3 benchmarks/mono_trace.py --tokens 1 8 --poll-sleep-ns 0 250 1000 \
             --out "$RESULTS" ;;
