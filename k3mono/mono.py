@@ -112,15 +112,15 @@ gave nothing more); the L2 prefetch before a blocking wait (mode 1) cost 20 to
 in registers across the wait."""
 
 
-DEFAULT_TILES = TileChoice(expert_rows=16)
-"""Measured on the H200 (benchmarks/mono_sweep.py, docs/PERF.md): with the expert
-loops reading straight into registers, 16 expert rows took the mono launch at
-S = 1 from 140.9 to 127.4 us and at S = 8 from 334.7 to 317.1 (the staged path
-keeps 32: its down stage at S = 8 took 64 us at 16 rows against 41)."""
-DEFAULT_POLL_SLEEP_NS = 250
-"""Measured on the H200 (benchmarks/mono_trace.py): a waiting CTA pausing 250 ns
-between polls took S = 1 from 128.3 to 124.8 us (1000 ns: 131.0); the seam and
-the route, one CTA each beside spinning ones, ran 4 and 2 us shorter."""
+DEFAULT_TILES = TileChoice()
+"""The staged path's tiles (32 expert rows, 8 router rows), measured on the
+H200 (benchmarks/mono_sweep.py, docs/PERF.md): 16 expert rows took S = 1 from
+118.5 to 129.5 us and S = 8 from 264.1 to 319.9 (an earlier machine had shown
+the opposite, 140.9 -> 127.4); 2 router rows (with 32 expert rows) 129.0 at S = 1."""
+DEFAULT_POLL_SLEEP_NS = 0
+"""Measured on the H200 (benchmarks/mono_sweep.py, mono_trace.py): a 250 ns
+pause between polls moved S = 1 by -3.5 to +0.7 us and S = 8 by +0.4 to +2.0,
+within the runs' spread; 1000 ns cost 2.7. Spinning stays the default (no inline asm)."""
 
 
 def default_options(**choices) -> MonoOptions:
