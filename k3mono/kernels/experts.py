@@ -55,12 +55,14 @@ from .mxfp4 import (
 GROUP = tl.constexpr(MXFP4_GROUP)  # inputs per E8M0 scale
 _PACKING = 2  # E2M1 values per packed byte
 PACKING = tl.constexpr(_PACKING)
-# Steps whose loads are in flight at once (compiled builds stage them through
-# shared memory with cp.async): one step is 64 to 128 bytes of weights per
-# thread, and an SM needs ~32 KB in flight to cover HBM latency. Not part of
-# StageGeometry (GemvTile has no such field); the interpreter ignores it, and
-# LOOP_UNROLL (steps a loop body holds; 1: none). The launchers compile
-# EXPERT_STAGES / EXPERT_UNROLL, module attributes a benchmark may set.
+# Steps whose loads are in flight at once. 1: each step's loads go straight
+# into registers (64 to 128 bytes of weights a thread); more stage them through
+# shared memory with cp.async, which cost more than it hid for bytes used once
+# (benchmarks/expert_loops.py on the H200: gate/up at S = 8 66 us at 1 stage,
+# 135 at 3; docs/PERF.md). LOOP_UNROLL: steps a loop body holds (1: none; 2 and
+# 4 gained nothing). Not part of StageGeometry (GemvTile has no such field); the
+# interpreter ignores both. The launchers compile EXPERT_STAGES / EXPERT_UNROLL,
+# module attributes a benchmark may set.
 PIPELINE_STAGES = tl.constexpr(1)
 LOOP_UNROLL = tl.constexpr(1)
 
