@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from k3mono.config import preset
-from k3mono.mono import DEFAULT_CTAS_PER_SM, DEFAULT_POLL_SLEEP_NS, DEFAULT_TILES, MonoRunner, default_options, device_sms
+from k3mono.mono import (DEFAULT_CTAS_PER_SM, DEFAULT_POLL_SLEEP_NS, DEFAULT_TILES, MonoRunner, default_options,
+                         device_sms)
 from k3mono.planner import MonoOptions, TileChoice
 from k3mono.runner import Oracle
 from k3mono.staged import StagedLayer
@@ -157,7 +158,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
-    parser.add_argument("--dense-step-kb", type=int, default=DEFAULT_TILES.dense_step_kb, help="TileChoice.dense_step_kb")
+    parser.add_argument("--dense-step-kb", type=int, default=DEFAULT_TILES.dense_step_kb,
+                        help="TileChoice.dense_step_kb")
     parser.add_argument("--expert-rows", type=int, default=DEFAULT_TILES.expert_rows, help="TileChoice.expert_rows")
     parser.add_argument("--router-rows", type=int, default=DEFAULT_TILES.router_rows, help="TileChoice.router_rows")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")

@@ -157,8 +157,9 @@ class MonoBuild:
             raise K3InputError(f"prefetch: expected 0, 1 or 2, got {self.prefetch!r}")
         if self.scope not in ("gpu", "sys"):
             raise K3InputError(f"scope: expected 'gpu' or 'sys', got {self.scope!r}")
-        if not (isinstance(self.poll_sleep_ns, int) and 0 <= self.poll_sleep_ns <= MAX_POLL_SLEEP_NS):
-            raise K3InputError(f"poll_sleep_ns: expected an integer in 0..{MAX_POLL_SLEEP_NS}, got {self.poll_sleep_ns!r}")
+        sleep = self.poll_sleep_ns
+        if not (isinstance(sleep, int) and 0 <= sleep <= MAX_POLL_SLEEP_NS):
+            raise K3InputError(f"poll_sleep_ns: expected an integer in 0..{MAX_POLL_SLEEP_NS}, got {sleep!r}")
         if self.max_registers is not None and not (isinstance(self.max_registers, int) and 24 <= self.max_registers <= 255):
             raise K3InputError(f"max_registers: expected an integer in 24..255 or None, got {self.max_registers!r}")
 

@@ -32,10 +32,10 @@ Per task:
    flag on each peer (barrier + one release atomic); expert_down_push_task
    stores into the own ar2 slot, then (NP > 1) copies the rows to every peer
    before raising. mla_back_task (M1B, an MLA layer's first tasks) stores its
-   columns of the rank's core; the own CORE flag then counts them for OPROJ. mla_attn_task (M1C, before
-   M1B) stores one (token, split, head block) of the split outputs into the
-   launch's scratch (layout.scratch_layout: split_o, split_lse); the own
-   SPLITS flag counts them for M1B.
+   columns of the rank's core; the own CORE flag then counts them for OPROJ.
+   mla_attn_task (M1C, before M1B) stores one (token, split, head block) of
+   the split outputs into the launch's scratch (layout.scratch_layout:
+   split_o, split_lse); the own SPLITS flag counts them for M1B.
 
 A failed (timed out) wait records itself in the health buffer (sync.py) and
 stops the CTA. A TRACE build records every ticket's SM and global-timer
@@ -301,7 +301,6 @@ def expert_down_push_task(
     KTOP: tl.constexpr,
     L: tl.constexpr,
     I_R: tl.constexpr,
-    S: tl.constexpr,
     DN_ROWS: tl.constexpr,
     DN_BG: tl.constexpr,
     NP: tl.constexpr,
@@ -656,7 +655,7 @@ def _mono_kernel(
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
-                           FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
+                                FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE1:
                 reduce1_task(start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, S, H, T, RC1)
                 raise_counter(flags + rword, SCOPE)
@@ -665,11 +664,11 @@ def _mono_kernel(
                              ares_qk_ptr, in_nw_ptr, eps, x_ptr, H, H, CANDS, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTER:
-                router_push_task(tile, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E,
-                            E_R, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST, NP, SCOPE)
+                router_push_task(tile, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S,
+                                 H, E, E_R, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
-                latent_down_push_task(tile, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R, FLAG_I + rword, S, H, L,
-                                 L_R, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST, NP, SCOPE)
+                latent_down_push_task(tile, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R, FLAG_I + rword, S,
+                                      H, L, L_R, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_SHARED_GU:
                 shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
@@ -684,7 +683,8 @@ def _mono_kernel(
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_DOWN:
                 expert_down_push_task(token, tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32, peer_table_ptr,
-                                 pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, S, DN_ROWS, DN_BG, NP, SCOPE)
+                                      pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, DN_ROWS, DN_BG, NP,
+                                      SCOPE)
             elif kind == K_PREFETCH_FINAL:
                 sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
                 sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
@@ -693,8 +693,8 @@ def _mono_kernel(
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
                 final_push_task(tile, lat_ptr + rank * L_R, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
-                           pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L, L_R, SI_R, SP, F_ROWS, F_BK, USE_DOT,
-                           F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE)
+                                pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L, L_R, SI_R, SP, F_ROWS, F_BK,
+                                USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
                 reduce3_task(start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
             elif kind == K_NOP:
