@@ -18,8 +18,9 @@ times. The comparison is wrap-safe: int32(word - target) >= 0.
 
 Polls and raises are tl.atomic_* (portable to the AMD backend and to the CPU
 interpreter); the only inline asm is the optional pause between polls
-(``SLEEP_NS``, NVIDIA builds; the interpreter and AMD take 0). SCOPE is a constexpr: "gpu" between CTAs of one
-GPU (loopback, every rank on one device), "sys" where peers write over NVLink.
+(``SLEEP_NS`` > 0: NVIDIA builds only; the interpreter always takes 0). SCOPE
+is a constexpr: "gpu" between CTAs of one GPU (loopback, every rank on one
+device), "sys" where peers write over NVLink.
 
 Health buffer of a rank (int32 words, ``HEALTH_WORDS``):
 
