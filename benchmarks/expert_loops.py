@@ -16,18 +16,21 @@ import torch
 
 from k3mono.bench import WEIGHT_SETS, _loopback_layers, _rank0_stages, _unique_experts
 from k3mono.config import preset
+from k3mono.floor import weight_bytes
 from k3mono.kernels import experts
 from k3mono.synthetic import random_shard
 from k3mono.timing import copy_bandwidth, time_graph
 
-STAGES_TIMED = ("expert_gate_up", "expert_down")
+STAGE_TENSORS = {
+    "expert_gate_up": ("w1_packed", "w1_scale", "w3_packed", "w3_scale"),
+    "expert_down": ("w2_packed", "w2_scale"),
+}
 
 
 def expert_bytes(cfg, tp: int, unique_experts: float) -> dict:
-    """Packed weights and scales the two stages read (the distinct experts routed to)."""
-    L, I_R = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
-    one_matrix = L * I_R // 2 + L * I_R // 32
-    return {"expert_gate_up": 2 * one_matrix * unique_experts, "expert_down": one_matrix * unique_experts}
+    """Packed weights and scales the two stages read (the floor's count: the distinct experts routed to)."""
+    read = weight_bytes(cfg, tp, unique_experts)
+    return {stage: sum(read[name] for name in names) for stage, names in STAGE_TENSORS.items()}
 
 
 def main() -> None:
@@ -49,7 +52,7 @@ def main() -> None:
             read = expert_bytes(cfg, args.tp, _unique_experts(layers))
             by_name = [dict(_rank0_stages(layer)) for layer in layers]
             cells = []
-            for name in STAGES_TIMED:
+            for name in STAGE_TENSORS:
                 seconds = time_graph([stages_of[name] for stages_of in by_name])
                 cells.append(f"{name} {seconds * 1e6:6.1f} us ({read[name] / seconds / bandwidth:4.0%} of copy)")
             print(f"T={args.tp} S={tokens:>2} loops {stages}x{unroll}: " + ", ".join(cells), flush=True)

@@ -63,8 +63,7 @@ def main() -> None:
                                   args.router_rows)
         for prefetch, sleep_ns, config, step_kb, expert_rows, router_rows in knobs:
             ctas, _, cap = config.partition(":")
-            label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} sleep {sleep_ns} ns "
-                     f"ctas/SM {config} "
+            label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} sleep {sleep_ns} ns ctas/SM {config} "
                      f"dense step {step_kb} KB expert rows {expert_rows} router rows {router_rows}")
             try:
                 tiles = TileChoice(dense_step_kb=step_kb, expert_rows=expert_rows, router_rows=router_rows)
