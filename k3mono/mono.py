@@ -103,7 +103,10 @@ def _interpreting() -> bool:
 
 TRACE_WORDS = 4  # kernels/mono.py: a traced ticket's SM, taken, ready, done
 DEFAULT_PREFETCH = 0
-MAX_POLL_SLEEP_NS = 1_000_000  # PTX nanosleep's bound (1 ms)
+MAX_POLL_SLEEP_NS = 1000
+"""The longest pause between polls: a wait's bound is counted in polls
+(DEFAULT_SPIN), so the pause stretches it; at 1 us a timed-out wait still
+reports within a few seconds, not hours."""
 DEFAULT_CTAS_PER_SM = 2
 """Measured on the H200 at one rank of TP8 (benchmarks/mono_sweep.py, docs/PERF.md):
 two CTAs a SM took S = 1 from 182 to 148 us and S = 8 from 415 to 341 us (four

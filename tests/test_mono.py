@@ -276,8 +276,9 @@ def test_a_register_cap_is_checked_and_changes_no_bits_under_the_interpreter():
 
 def test_a_poll_pause_is_checked_and_the_interpreter_takes_none():
     cfg = preset("tiny")
-    with pytest.raises(K3InputError, match="poll_sleep_ns"):
-        MonoBuild(cfg=cfg, tokens=1, tp=1, poll_sleep_ns=-1)
+    for bad in (-1, 2000):  # 2 us a poll would stretch a wait's bound past a few seconds
+        with pytest.raises(K3InputError, match="poll_sleep_ns"):
+            MonoBuild(cfg=cfg, tokens=1, tp=1, poll_sleep_ns=bad)
     key = MonoBuild(cfg=cfg, tokens=1, tp=1, poll_sleep_ns=200)
     assert key.options.poll_sleep_ns == 200 and build(key).consts["SLEEP_NS"] == 0
 
