@@ -13,6 +13,8 @@
 # trace: where the mono launch's time goes, per task kind, from a trace build (S = 1, 8);
 # defaults: the mono defaults against their alternatives; sleep: the trace at three pauses between polls;
 # loops: the expert stages' loops at other pipeline depths and unroll factors (staged);
+# check_staged: the staged path's check alone; check_lookahead: the mono check with expert loops loading a
+# step ahead; lookahead: those loops timed (mono at 2 and 3 CTAs a SM, staged);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -56,6 +58,14 @@ for s in $STEPS; do
     case $s in
     check)
         step gpu_check 300 python3 benchmarks/gpu_check.py --skip-staged --tokens $CHECK_TOKENS ;;
+    check_staged)  # the staged path alone (no grids, no co-occupying kernel)
+        step gpu_check_staged 200 python3 benchmarks/gpu_check.py --skip-mono --tokens $CHECK_TOKENS --grids --occupy-sms 0 ;;
+    check_lookahead)  # the mono launch with expert loops that load a step ahead
+        step gpu_check_lookahead 200 python3 benchmarks/gpu_check.py --skip-staged --tokens $CHECK_TOKENS \
+            --expert-lookahead 1 --grids 132 1 --occupy-sms 0 ;;
+    lookahead)  # expert loops loading a step ahead, at 2 and 3 CTAs a SM (mono) and staged
+        step mono_lookahead 300 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 3:168 --prefetch 0 \
+            --expert-lookahead 0 1 ;;
     mla_check)
         step gpu_check_mla 300 python3 benchmarks/gpu_check_mla.py --tokens 1 4 --contexts $MLA_CONTEXTS --kv $MLA_KV ;;
     ranks)

@@ -5,7 +5,7 @@ the bf16 reference, every rank's copy compared bit for bit.
 
     python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
                                    [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--expert-rows 32]
-                                   [--router-rows 8]
+                                   [--router-rows 8] [--expert-lookahead 0]
 
 The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
 T = 8 with every rank in loopback) eagerly, then captures the T launches in
@@ -162,6 +162,8 @@ def main() -> int:
                         help="TileChoice.dense_step_kb")
     parser.add_argument("--expert-rows", type=int, default=DEFAULT_TILES.expert_rows, help="TileChoice.expert_rows")
     parser.add_argument("--router-rows", type=int, default=DEFAULT_TILES.router_rows, help="TileChoice.router_rows")
+    parser.add_argument("--expert-lookahead", type=int, default=int(DEFAULT_TILES.expert_lookahead),
+                        help="TileChoice.expert_lookahead (0 / 1)")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--ctas-per-sm", type=int, default=DEFAULT_CTAS_PER_SM, help="MonoOptions.ctas_per_sm")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
@@ -194,7 +196,7 @@ def main() -> int:
         if not args.skip_mono:
             for tokens in args.tokens:
                 tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
-                                   router_rows=args.router_rows)
+                                   router_rows=args.router_rows, expert_lookahead=bool(args.expert_lookahead))
                 options = default_options(ctas_per_sm=args.ctas_per_sm, tiles=tiles, poll_sleep_ns=args.poll_sleep_ns)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, options)
         if tp == 8:

@@ -7,12 +7,13 @@ grid, not a register budget, sets how many warps an SM holds).
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
                                     [--dense-step-kb 8 16 32] [--expert-rows 32 16 8] [--router-rows 8 4 2]
-                                    [--poll-sleep-ns 0 200]
+                                    [--poll-sleep-ns 0 200] [--expert-lookahead 0 1]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
 (maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
 (benchmarks/resource_check.py); 168 lets 3 fit, 128 lets 4, at the cost of spills.
-``--poll-sleep-ns`` the pause of a waiting CTA between polls (MonoOptions.poll_sleep_ns).
+``--poll-sleep-ns`` the pause of a waiting CTA between polls (MonoOptions.poll_sleep_ns);
+``--expert-lookahead`` whether the expert loops load a step ahead (TileChoice.expert_lookahead).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from k3mono.bench import WEIGHT_SETS, _loopback_layers, _time_staged, time_mono
 from k3mono.config import preset
-from k3mono.planner import DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, MonoOptions, TileChoice
+from k3mono.planner import DENSE_STEP_KB, EXPERT_LOOKAHEAD, EXPERT_ROWS, ROUTER_ROWS, MonoOptions, TileChoice
 from k3mono.synthetic import random_shard
 
 
@@ -38,8 +39,8 @@ def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> st
     whole, stages = _time_staged(layers)
     del layers
     shown = ", ".join(f"{k} {stages[k] * 1e6:.1f}" for k in STAGES_SHOWN)
-    return (f"dense step {tiles.dense_step_kb} KB expert rows {tiles.expert_rows} router rows {tiles.router_rows}: "
-            f"{whole * 1e6:8.1f} us ({shown} us)")
+    return (f"dense step {tiles.dense_step_kb} KB expert rows {tiles.expert_rows} router rows {tiles.router_rows} "
+            f"lookahead {int(tiles.expert_lookahead)}: {whole * 1e6:8.1f} us ({shown} us)")
 
 
 def main() -> None:
@@ -51,22 +52,24 @@ def main() -> None:
     parser.add_argument("--expert-rows", type=int, nargs="+", default=[EXPERT_ROWS])
     parser.add_argument("--router-rows", type=int, nargs="+", default=[ROUTER_ROWS])
     parser.add_argument("--poll-sleep-ns", type=int, nargs="+", default=[0], help="MonoOptions.poll_sleep_ns")
+    parser.add_argument("--expert-lookahead", type=int, nargs="+", default=[int(EXPERT_LOOKAHEAD)],
+                        help="TileChoice.expert_lookahead (0 / 1)")
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     for tokens in args.tokens:
-        staged_tiles = itertools.product(args.dense_step_kb, args.expert_rows, args.router_rows)
-        for tiles in dict.fromkeys(TileChoice(dense_step_kb=k, expert_rows=e, router_rows=r) for k, e, r in staged_tiles):
+        choices = [TileChoice(dense_step_kb=k, expert_rows=e, router_rows=r, expert_lookahead=bool(la))
+                   for k, e, r, la in itertools.product(args.dense_step_kb, args.expert_rows, args.router_rows,
+                                                        args.expert_lookahead)]
+        for tiles in choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
-        knobs = itertools.product(args.prefetch, args.poll_sleep_ns, args.ctas, args.dense_step_kb, args.expert_rows,
-                                  args.router_rows)
-        for prefetch, sleep_ns, config, step_kb, expert_rows, router_rows in knobs:
+        for prefetch, sleep_ns, config, tiles in itertools.product(args.prefetch, args.poll_sleep_ns, args.ctas, choices):
             ctas, _, cap = config.partition(":")
             label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} sleep {sleep_ns} ns ctas/SM {config} "
-                     f"dense step {step_kb} KB expert rows {expert_rows} router rows {router_rows}")
+                     f"dense step {tiles.dense_step_kb} KB expert rows {tiles.expert_rows} router rows "
+                     f"{tiles.router_rows} lookahead {int(tiles.expert_lookahead)}")
             try:
-                tiles = TileChoice(dense_step_kb=step_kb, expert_rows=expert_rows, router_rows=router_rows)
                 options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, poll_sleep_ns=sleep_ns)
                 mono = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch,
                                  max_registers=int(cap) if cap else None)

@@ -16,8 +16,14 @@ Scratch of a rank (only that rank reads and writes it):
     expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
     latent     [S, L]        bf16   rms(bf16(sum of AR2), routed_expert_norm)
     shared_act [S, SI/T]     bf16   situ of the shared experts, this rank's slice
+    seam_part  [S, CH, 2, CP] fp32  the AttnRes seam's per-chunk sums of V^2 and V . q
+    seam_h     [S, H]        bf16   the seam's mix h, before its norm
+    seam_hsq   [S, CH]       fp32   the seam's per-chunk sums of h^2
     split_o    [splits, S, heads_r, DL] fp32   M1c's split outputs (only with M1C tasks)
     split_lse  [splits, S, heads_r]     fp32   their log-sum-exps   (only with M1C tasks)
+
+CH = ceil(H / planner.seam_cols(H)) seam chunks; CP = planner.seam_candidates_max
+(the model's widest seam), so one layout serves every layer.
 
 The split outputs are the launch's own: written by its M1C tasks, read by its
 M1B tasks a few microseconds later (an L2 round trip), so the host neither
@@ -32,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from .config import K3Config
+from .planner import seam_candidates_max, seam_cols
 
 REGION_ALIGN = 256
 """Bytes: a region boundary is aligned for every vector width and keeps two
@@ -39,7 +46,7 @@ regions out of one 128-byte cache line, so a writer of one never invalidates
 a reader of the other."""
 
 PEER_REGIONS = ("ar1", "logits", "z", "ar2", "ar3")
-SCRATCH_REGIONS = ("x", "route_ids", "route_w", "expert_act", "latent", "shared_act")
+SCRATCH_REGIONS = ("x", "route_ids", "route_w", "expert_act", "latent", "shared_act", "seam_part", "seam_h", "seam_hsq")
 
 
 def _aligned(nbytes: int) -> int:
@@ -77,6 +84,7 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
     """A rank's scratch buffer: name -> (byte offset, shape, dtype). ``m1c``: the
     launch's M1C tasks (planner.M1cGeometry: splits, heads, latent), or None."""
     H, K, L, S = cfg.hidden_size, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, tokens
+    chunks = -(-H // seam_cols(H))
     regions = {
         "x": ((S, H), torch.bfloat16),
         "route_ids": ((S, K), torch.int32),
@@ -84,6 +92,9 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
         "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
         "latent": ((S, L), torch.bfloat16),
         "shared_act": ((S, cfg.shared_intermediate // tp), torch.bfloat16),
+        "seam_part": ((S, chunks, 2, seam_candidates_max(cfg)), torch.float32),
+        "seam_h": ((S, H), torch.bfloat16),
+        "seam_hsq": ((S, chunks), torch.float32),
     }
     if m1c is not None:
         regions["split_o"] = ((m1c.splits, S, m1c.heads, m1c.latent), torch.float32)

@@ -76,6 +76,26 @@ only E/T = 112 rows at T = 8: 14 tasks of 8 rows, each streaming 115 KB alone
 (measured: it holds 8.7 us of the mono launch at S = 1). 4 or 2 rows
 (TileChoice.router_rows) make 28 or 56 tasks of the same bytes a step."""
 
+SEAM_COLS = 512
+SEAM_MIN_CHUNKS = 4
+"""Columns of H a seam task covers (StageGeometry.seam_cols): the AttnRes seam
+is three steps of a task per (token, chunk) (kernels/attnres.py), so at H = 7168
+one token's seam spreads over 14 CTAs (one CTA took 14 us of the mono launch
+at S = 1). 512 columns keep a task's loads at one 16-byte vector per candidate
+and thread (4 warps); narrower configs get at least SEAM_MIN_CHUNKS chunks, so
+the small test presets sum partials across chunks as the released one does."""
+
+
+def seam_cols(hidden: int) -> int:
+    return min(SEAM_COLS, max(1, next_pow2(hidden) // SEAM_MIN_CHUNKS))
+
+
+def seam_candidates_max(cfg: K3Config) -> int:
+    """CP: the widest seam of the model (its last layer's blocks and P), a power
+    of two: the seam partials' extent, so one scratch layout serves every layer."""
+    return next_pow2(cfg.num_blocks(cfg.num_hidden_layers - 1) + 1)
+
+
 EXPERT_ROWS = 32
 EXPERT_ROWS_CHOICES = (8, 16, 32)
 """Output rows of an MXFP4 expert task. At 32, S = 1 at TP8 has 192 gate/up
@@ -85,14 +105,23 @@ busy one streams about 100 KB alone. 16 or 8 rows (TileChoice.expert_rows)
 spread the same bytes over 2x or 4x the tasks, each thread holding fewer rows."""
 
 
+EXPERT_LOOKAHEAD = False
+"""An MXFP4 expert loop loads step i + 1 into registers before it runs step i's
+math (GemvTile.lookahead): each thread then keeps two steps of weights in flight
+instead of one, for the mono launch's few resident warps an SM (the trace had a
+100 KB expert task at 16 us, one memory round trip and its math a step)."""
+
+
 @dataclass(frozen=True)
 class TileChoice:
-    """Task sizes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS and ROUTER_ROWS)."""
+    """Task shapes the mono launch may take other than the staged path's (a
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS and
+    EXPERT_LOOKAHEAD)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     expert_rows: int = EXPERT_ROWS
     router_rows: int = ROUTER_ROWS
+    expert_lookahead: bool = EXPERT_LOOKAHEAD
 
     def check(self) -> None:
         if self.dense_step_kb not in DENSE_STEP_KB_CHOICES:
@@ -101,6 +130,8 @@ class TileChoice:
             raise K3InputError(f"tiles.expert_rows: expected one of {EXPERT_ROWS_CHOICES}, got {self.expert_rows!r}")
         if self.router_rows not in ROUTER_ROWS_CHOICES:
             raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
+        if not isinstance(self.expert_lookahead, bool):
+            raise K3InputError(f"tiles.expert_lookahead: expected a bool, got {self.expert_lookahead!r}")
 
 
 BACK_BLOCK_DV = 32
@@ -153,6 +184,7 @@ class GemvTile:
     rows: int  # weight rows (outputs) a task produces
     block_k: int  # weight columns loaded per step
     warps: int
+    lookahead: bool = False  # MXFP4 expert loops: step i + 1 loaded before step i's math (EXPERT_LOOKAHEAD)
 
 
 @dataclass(frozen=True)
@@ -169,6 +201,7 @@ class StageGeometry:
     expert_down: GemvTile  # MXFP4
     vector_block: int  # columns a vector stage handles per step
     vector_warps: int
+    seam_cols: int  # columns of H an AttnRes seam task covers (SEAM_COLS)
     # Warps of latent_norm (staged launch): on the latency chain, one CTA keeps a
     # token's T partial slots in flight at once, so more warps than the reduces.
     latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
@@ -286,9 +319,10 @@ def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cS
     )
 
 
-def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4) -> GemvTile:
+def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4, lookahead: bool = False) -> GemvTile:
     """A tile no larger than the output and the input it covers."""
-    return GemvTile(rows=min(rows, next_pow2(out_dim)), block_k=min(block_k, next_pow2(in_dim)), warps=warps)
+    return GemvTile(rows=min(rows, next_pow2(out_dim)), block_k=min(block_k, next_pow2(in_dim)), warps=warps,
+                    lookahead=lookahead)
 
 
 def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int, fma_rows: int = FMA_TILE[0]) -> GemvTile:
@@ -324,10 +358,12 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         # consecutive 16-byte groups of a row and the 4 warps on rows, so each
         # thread keeps one group column over rows / 8 rows and reuses its
         # activations for each; down's input row is the K chosen experts' groups.
-        expert_gate_up=_gemv(tiles.expert_rows, I // tp, L, 16 * MXFP4_GROUP),
-        expert_down=_gemv(tiles.expert_rows, L, cfg.num_experts_per_token * I // tp, 16 * MXFP4_GROUP),
+        expert_gate_up=_gemv(tiles.expert_rows, I // tp, L, 16 * MXFP4_GROUP, lookahead=tiles.expert_lookahead),
+        expert_down=_gemv(tiles.expert_rows, L, cfg.num_experts_per_token * I // tp, 16 * MXFP4_GROUP,
+                          lookahead=tiles.expert_lookahead),
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
+        seam_cols=seam_cols(H),
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )
@@ -364,7 +400,11 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 reads every column of the rank's heads), otherwise no wait
 #   REDUCE1       AR1 per column tile: a tile reduces as soon as its o_proj
 #                 rows arrived from every rank, not after the whole o_proj
-#   SEAM          per token (needs all of H); cheap, on the critical path
+#   SEAM_SCORE    per (token, chunk of H): the candidates' partial sums
+#   SEAM_MIX      per (token, chunk): the scores from every chunk's partials,
+#                 the chunk's h and its partial sum of squares
+#   SEAM_NORM     per (token, chunk): x; the three steps spread the seam (on
+#                 the critical path, it needs all of H twice) over CTAs
 #   ROUTER        critical path (logits -> route -> experts): first
 #   LATENT_DOWN   next (z gates the experts)
 #   SHARED_GU     last of the three: only FINAL needs it. All three issue their
@@ -416,7 +456,7 @@ class TaskKind(enum.IntEnum):
 
     OPROJ = 0
     REDUCE1 = 1
-    SEAM = 2
+    SEAM_SCORE = 2
     ROUTER = 3
     LATENT_DOWN = 4
     SHARED_GU = 5
@@ -430,6 +470,8 @@ class TaskKind(enum.IntEnum):
     M1B = 13
     NOP = 14  # a timing variant's skipped task: its waits and its raise, no work (timing_variant)
     M1C = 15
+    SEAM_MIX = 16
+    SEAM_NORM = 17
 
 
 class Flag(enum.IntEnum):
@@ -437,7 +479,7 @@ class Flag(enum.IntEnum):
 
     AR1 = 0  # [reduce1 tile]  o_proj partial rows arrived      (peer)
     P_READY = 1  # [1]         prefix columns reduced
-    X_READY = 2  # [1]         x rows written
+    X_READY = 2  # [1]         x written, every (token, chunk)
     LOGITS = 3  # [1]          router logits columns arrived     (peer)
     Z = 4  # [1]               latent z columns arrived          (peer)
     SHARED_READY = 5  # [1]    shared activations written
@@ -448,6 +490,8 @@ class Flag(enum.IntEnum):
     AR3 = 10  # [reduce3 tile] final partial rows arrived        (peer)
     CORE = 11  # [1, 0 without M1B] the rank's core columns written (M1B)
     SPLITS = 12  # [1, 0 without M1C] the split outputs o / lse written (M1C)
+    SCORED = 13  # [token]     seam partial sums written, every chunk
+    MIXED = 14  # [token]      seam h and its partial squares written, every chunk
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
@@ -776,7 +820,11 @@ _WRITES = {
     TaskKind.NOP: lambda tb, t, r: [],
     TaskKind.OPROJ: lambda tb, t, r: [Write("ar1", True, (r, slice(None), slice(*t.span)))],
     TaskKind.REDUCE1: lambda tb, t, r: [Write("prefix", False, _all_rows(*t.span))],
-    TaskKind.SEAM: lambda tb, t, r: [Write("x", False, (t.token,))],
+    TaskKind.SEAM_SCORE: lambda tb, t, r: [Write("seam_part", False, (t.token, t.tile))],
+    TaskKind.SEAM_MIX: lambda tb, t, r: [
+        Write("seam_h", False, (t.token, slice(*t.span))), Write("seam_hsq", False, (t.token, t.tile))
+    ],
+    TaskKind.SEAM_NORM: lambda tb, t, r: [Write("x", False, (t.token, slice(*t.span)))],
     TaskKind.ROUTER: lambda tb, t, r: [
         Write("logits", True, (slice(None), _rank_cols(tb, t, r, tb.cfg.num_experts)))
     ],
@@ -839,6 +887,7 @@ class _Planner:
         H = cfg.hidden_size
         self.oproj_tiles = tiles(H, geometry.oproj.rows)
         self.reduce1_tiles = tiles(H, self.reduce1_cols)
+        self.seam_chunks = tiles(H, geometry.seam_cols)
         self.router_tiles = tiles(cfg.num_experts // tp, geometry.router.rows)
         self.latent_tiles = tiles(cfg.routed_expert_hidden_size // tp, geometry.latent_down.rows)
         self.shared_tiles = tiles(cfg.shared_intermediate // tp, geometry.shared_gate_up.rows)
@@ -871,6 +920,10 @@ class _Planner:
         """Small whole vectors every task of a per-token kind reads: token 0's task
         streams them from HBM, the others find them in L2."""
         return tuple((name, self._whole_bytes(name)) for name in names) if token == 0 else ()
+
+    def _vector_slices_once(self, token: int, names, lo: int, hi: int) -> tuple:
+        """Elements lo .. hi of small vectors, as _vectors_once for a chunk."""
+        return tuple((name, (hi - lo) * self.shapes[name][1].itemsize) for name in names) if token == 0 else ()
 
     def add(self, kind, *, tile=-1, span=(0, 0), token=-1, slot=-1, streams=(), waits=(), raises=()):
         self.specs.append(_TaskSpec(kind, tile, span, token, slot, tuple(streams), tuple(waits), tuple(raises)))
@@ -913,16 +966,31 @@ class _Planner:
             self.add(TaskKind.REDUCE1, tile=tile, span=(lo, hi),
                      waits=[_WaitSpec(Flag.AR1, tile, self.tp * producers)], raises=[(Flag.P_READY, 0)])
 
-    def seam(self):
+    def seam_score(self):
         for token in range(self.S):
-            self.add(TaskKind.SEAM, token=token,
-                     streams=self._vectors_once(token, ["ares_norm", "ares_proj", "post_norm"]),
-                     waits=[_WaitSpec(Flag.P_READY, 0, len(self.reduce1_tiles))], raises=[(Flag.X_READY, 0)])
+            for chunk, lo, hi in self.seam_chunks:
+                self.add(TaskKind.SEAM_SCORE, tile=chunk, span=(lo, hi), token=token,
+                         streams=self._vector_slices_once(token, ["ares_norm", "ares_proj"], lo, hi),
+                         waits=[_WaitSpec(Flag.P_READY, 0, len(self.reduce1_tiles))], raises=[(Flag.SCORED, token)])
+
+    def seam_mix(self):
+        for token in range(self.S):
+            for chunk, lo, hi in self.seam_chunks:
+                self.add(TaskKind.SEAM_MIX, tile=chunk, span=(lo, hi), token=token,
+                         waits=[_WaitSpec(Flag.SCORED, token, len(self.seam_chunks))], raises=[(Flag.MIXED, token)])
+
+    def seam_norm(self):
+        for token in range(self.S):
+            for chunk, lo, hi in self.seam_chunks:
+                self.add(TaskKind.SEAM_NORM, tile=chunk, span=(lo, hi), token=token,
+                         streams=self._vector_slices_once(token, ["post_norm"], lo, hi),
+                         waits=[_WaitSpec(Flag.MIXED, token, len(self.seam_chunks))], raises=[(Flag.X_READY, 0)])
 
     def _x_gemv(self, kind, tile_list, names, flag):
+        x_written = _WaitSpec(Flag.X_READY, 0, self.S * len(self.seam_chunks))
         for tile, lo, hi in tile_list:
-            self.add(kind, tile=tile, span=(lo, hi), streams=self._rows(names, lo, hi),
-                     waits=[_WaitSpec(Flag.X_READY, 0, self.S)], raises=[(flag, 0)])
+            self.add(kind, tile=tile, span=(lo, hi), streams=self._rows(names, lo, hi), waits=[x_written],
+                     raises=[(flag, 0)])
 
     def router(self):
         self._x_gemv(TaskKind.ROUTER, self.router_tiles, ["router"], Flag.LOGITS)
@@ -989,7 +1057,8 @@ class _Planner:
                      waits=[_WaitSpec(Flag.AR3, tile, self.tp * producers)])
 
     def in_table_order(self) -> list[_TaskSpec]:
-        for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam, self.router, self.latent_down,
+        for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_score, self.seam_mix, self.seam_norm,
+                     self.router, self.latent_down,
                      self.shared_gate_up, self.route, self.expert_gate_up, self.expert_down, self.prefetch_final,
                      self.latent_norm, self.final, self.reduce3):
             step()
@@ -1011,6 +1080,8 @@ class _Planner:
             Flag.AR3: len(self.reduce3_tiles),
             Flag.CORE: 1 if self.m1b_tiles else 0,
             Flag.SPLITS: 1 if self.m1c_blocks else 0,
+            Flag.SCORED: per_token,
+            Flag.MIXED: per_token,
         }
         return tuple((flag, slots[flag]) for flag in Flag)
 

@@ -5,7 +5,8 @@ Every rank r owns, as the mono launch will:
     peer buffer   flat uint8, layout.peer_layout: ar1 [T, S, H], logits [S, E],
                   z [S, L], ar2 [T, S, L], ar3 [T, S, H] (what other ranks write into)
     scratch       flat uint8, layout.scratch_layout: x, route_ids, route_w,
-                  expert_act, latent, shared_act (only rank r touches it)
+                  expert_act, latent, shared_act, the seam's partials (only
+                  rank r touches it)
     prefix        [S, H] bf16, its own copy of P, updated in place
     out           [S, H] bf16, its copy of the MoE output
 
@@ -17,7 +18,7 @@ buffer holds exactly what the mono launch's pushes would have put there.
 
 Order of one run (tp.py's exchange order):
 
-    oproj (every rank) -> exchange ar1 -> reduce_prefix -> attnres
+    oproj (every rank) -> exchange ar1 -> reduce_prefix -> attnres (score, mix, norm)
     -> router, latent_down, shared_gate_up -> exchange logits, z
     -> route -> expert_gate_up -> expert_down -> exchange ar2
     -> latent_norm -> final_partial -> exchange ar3 -> final_reduce
@@ -142,7 +143,7 @@ class StagedLayer:
             "attnres",
             lambda r: launch_attnres(
                 self.prefix[r], self.blocks, self.nb, w[r].ares_norm, w[r].ares_proj, w[r].post_norm,
-                cfg.rms_norm_eps, scratch[r]["x"], geom,
+                cfg.rms_norm_eps, scratch[r]["x"], scratch[r], geom,
             ),
         )
         each_rank(

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from k3mono.config import preset
-from k3mono.planner import stage_geometry
+from k3mono.planner import seam_candidates_max, stage_geometry
 from k3mono.reference import BF16
 from k3mono.reference import stages as st
 from k3mono.reference.tp import combine, core_slice, latent_slice
@@ -174,7 +174,18 @@ def narrow(geom):
         shared_gate_up=small(geom.shared_gate_up),
         final=small(geom.final),
         vector_block=64,
+        seam_cols=128,
     )
+
+
+def seam_scratch(cfg, S, geom) -> dict:
+    """The seam steps' partials (layout.scratch_layout's regions), poisoned."""
+    chunks = -(-cfg.hidden_size // geom.seam_cols)
+    return {
+        "seam_part": poisoned((S, chunks, 2, seam_candidates_max(cfg)), torch.float32),
+        "seam_h": poisoned((S, cfg.hidden_size), torch.bfloat16),
+        "seam_hsq": poisoned((S, chunks), torch.float32),
+    }
 
 
 GEOMETRIES = {"planned": lambda g: g, "narrow": narrow}
@@ -287,7 +298,8 @@ def test_attnres(case):
     inputs = random_inputs(cfg, S, layer, seed=30 + S, nb_max=nb + 1)  # a padding block that must be ignored
     prefix, blocks = inputs["prefix"], inputs["blocks"]
     x = poisoned((S, cfg.hidden_size), torch.bfloat16)
-    launch_attnres(dev(prefix), dev(blocks), nb, dev(w.ares_norm), dev(w.ares_proj), dev(w.post_norm), cfg.rms_norm_eps, x, geom)
+    launch_attnres(dev(prefix), dev(blocks), nb, dev(w.ares_norm), dev(w.ares_proj), dev(w.post_norm), cfg.rms_norm_eps, x,
+                   seam_scratch(cfg, S, geom), geom)
 
     cands = st.attnres_candidates(BF16, blocks, nb, prefix)
     scores = st.attnres_scores(BF16, cands, w.ares_norm, w.ares_proj, cfg.rms_norm_eps)
@@ -309,7 +321,7 @@ def test_attnres_reads_blocks_through_strides():
     for blocks in (inputs["blocks"], view):
         x = poisoned((S, cfg.hidden_size), torch.bfloat16)
         launch_attnres(dev(inputs["prefix"]), dev(blocks), nb, dev(w.ares_norm), dev(w.ares_proj), dev(w.post_norm),
-                       cfg.rms_norm_eps, x, geom)
+                       cfg.rms_norm_eps, x, seam_scratch(cfg, S, geom), geom)
         outs.append(x.cpu())
     assert torch.isfinite(outs[0].float()).all() and torch.equal(outs[0], outs[1])
 
@@ -465,11 +477,18 @@ _SM90_CHECK = textwrap.dedent(
         else:
             loads = re.findall(r"ld\.global\S*", ptx)
             assert loads and all(".v4." in l for l in loads), f"S={S}: loads not 16-byte vectors: {set(loads)}"
-    compile_sm90(attnres._attnres_kernel,
-                 {"prefix_ptr": "*bf16", "stride_ps": "i32", "blocks_ptr": "*bf16", "stride_bs": "i32",
-                  "stride_bn": "i32", "nb": "i32", "ares_norm_ptr": "*bf16", "ares_proj_ptr": "*bf16",
-                  "post_norm_ptr": "*bf16", "eps": "fp32", "x_ptr": "*bf16", "stride_xs": "i32"},
-                 dict(H=7168, CANDS=16, VB=1024))
+    candidates = {"prefix_ptr": "*bf16", "stride_ps": "i32", "blocks_ptr": "*bf16", "stride_bs": "i32",
+                  "stride_bn": "i32", "nb": "i32"}
+    compile_sm90(attnres._seam_score_kernel,
+                 {**candidates, "ares_norm_ptr": "*bf16", "ares_proj_ptr": "*bf16", "part_ptr": "*fp32"},
+                 dict(H=7168, CANDS=16, CP=16, SC=512))
+    compile_sm90(attnres._seam_mix_kernel,
+                 {**candidates, "part_ptr": "*fp32", "eps": "fp32", "h_ptr": "*bf16", "hsq_ptr": "*fp32"},
+                 dict(H=7168, CANDS=16, CP=16, SC=512))
+    compile_sm90(attnres._seam_norm_kernel,
+                 {"h_ptr": "*bf16", "hsq_ptr": "*fp32", "post_norm_ptr": "*bf16", "eps": "fp32", "x_ptr": "*bf16",
+                  "stride_xs": "i32"},
+                 dict(H=7168, SC=512))
     compile_sm90(latent_norm._latent_norm_kernel,
                  {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "norm_ptr": "*bf16", "eps": "fp32",
                   "out_ptr": "*bf16", "stride_os": "i32"},

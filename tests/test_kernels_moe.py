@@ -57,7 +57,7 @@ from k3mono.kernels.experts import launch_expert_down, launch_expert_gate_up
 from k3mono.kernels import experts as experts_mod
 from k3mono.kernels.mxfp4 import DEQUANT_IMAD, DEQUANT_SHIFT, launch_dequant
 from k3mono.kernels.route import launch_route
-from k3mono.planner import stage_geometry
+from k3mono.planner import TileChoice, stage_geometry
 from k3mono.reference import BF16
 from k3mono.reference import stages as st
 from k3mono.synthetic import random_layer
@@ -365,6 +365,26 @@ def test_experts(name, tp, tokens, coarse):
     spec = st.routed_experts(BF16, z.float(), ids, route_w, w, cfg, round_outputs=False)
     _, act_gap = down_terms(w, ids, route_w, act.float() - want_act)
     assert_within(partial, spec.double(), PARTIAL_REL * size + act_gap * (1 + PARTIAL_REL), "latent_partial vs spec")
+
+
+@pytest.mark.parametrize("name,tp,tokens", [("tiny", 2, 3), ("small", 4, 16)])
+def test_expert_lookahead_changes_no_bits(name, tp, tokens):
+    """Loading a step ahead moves the loads, not the sums: the same bits (the
+    tiny preset's loops run one step, the small one's several, a last step
+    whose lookahead loads nothing among them)."""
+    cfg, w = rank_weights(name, tp)
+    seed = seed_of("lookahead", name, tp, tokens)
+    ids, route_w = random_routes(cfg, tokens, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    z = torch.randn(tokens, cfg.routed_expert_hidden_size, generator=g).to(torch.bfloat16)
+    runs = []
+    for ahead in (False, True):
+        geom = stage_geometry(cfg, tp, tokens, tiles=TileChoice(expert_lookahead=ahead))
+        assert geom.expert_gate_up.lookahead == geom.expert_down.lookahead == ahead
+        runs.append(run_experts(cfg, w, geom, z, ids.to(torch.int32), route_w, tp))
+    (act, partial), (act_ahead, partial_ahead) = runs
+    assert torch.equal(act.view(torch.int16), act_ahead.view(torch.int16))
+    assert torch.equal(partial.view(torch.int32), partial_ahead.view(torch.int32))
 
 
 def test_expert_launchers_check_their_inputs():

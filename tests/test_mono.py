@@ -241,8 +241,12 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
         "expert_act": (k["ACT_B"] * 2, S * K * I_R * 2),
         "latent": (k["LAT_B"] * 2, S * L * 2),
         "shared_act": (k["SACT_B"] * 2, S * SI_R * 2),
+        "seam_part": (k["SPART_F"] * 4, S * -(-H // k["SC"]) * 2 * k["CP"] * 4),
+        "seam_h": (k["SH_B"] * 2, S * H * 2),
+        "seam_hsq": (k["SHSQ_F"] * 4, S * -(-H // k["SC"]) * 4),
         "ctl": (k["CTL_I"] * 4, 8),
     }
+    assert k["CANDS"] <= k["CP"]
     for name, (off, n) in scratch_access.items():
         assert scratch[name] == (off, n), name
     # loopback divides the peer waits by T; the counts stay whole
@@ -299,13 +303,15 @@ def test_any_grid_completes_and_the_last_cta_out_resets_the_counters():
     assert all(same_bits(results[0], other) for other in results[1:])
 
 
-@pytest.mark.parametrize("tiles", [TileChoice(expert_rows=8), TileChoice(expert_rows=16), TileChoice(router_rows=2)],
-                         ids=["expert-rows-8", "expert-rows-16", "router-rows-2"])
-def test_smaller_expert_and_router_tasks_change_no_bits(tiles):
+@pytest.mark.parametrize("tiles", [TileChoice(expert_rows=8), TileChoice(expert_rows=16), TileChoice(router_rows=2),
+                                   TileChoice(expert_lookahead=True)],
+                         ids=["expert-rows-8", "expert-rows-16", "router-rows-2", "expert-lookahead"])
+def test_other_task_shapes_change_no_bits(tiles):
     """Each output row's sums run over the same columns in the same order
     whatever the rows a task holds (the tiny preset's router step is capped at
     its 224-wide input either way): more, smaller tasks give the same bits
-    (S = 3 at T = 1: 4x or 2x the expert tasks, 4x the router tasks)."""
+    (S = 3 at T = 1: 4x or 2x the expert tasks, 4x the router tasks); so do
+    expert loops that load a step ahead."""
     cfg, tokens, layer = preset("tiny"), 3, 13
     shards = shard_all(layer_weights(), cfg, 1)
     inputs = random_inputs(cfg, tokens, layer, seed=41)
@@ -313,6 +319,7 @@ def test_smaller_expert_and_router_tasks_change_no_bits(tiles):
     narrow = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
     geometry = narrow.compiled.table.geometry
     assert (geometry.expert_down.rows, geometry.router.rows) == (tiles.expert_rows, tiles.router_rows)
+    assert geometry.expert_gate_up.lookahead == geometry.expert_down.lookahead == tiles.expert_lookahead
     assert same_bits(plain, narrow(**inputs))
 
 

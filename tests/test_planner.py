@@ -50,7 +50,9 @@ M1b ("m1b"), or M1c then M1b ("m1c")."""
 KIND_ORDER = [
     TaskKind.OPROJ,
     TaskKind.REDUCE1,
-    TaskKind.SEAM,
+    TaskKind.SEAM_SCORE,
+    TaskKind.SEAM_MIX,
+    TaskKind.SEAM_NORM,
     TaskKind.ROUTER,
     TaskKind.LATENT_DOWN,
     TaskKind.SHARED_GU,
@@ -146,7 +148,7 @@ def test_kinds_come_in_the_documented_order(prefetch):
     assert kinds == expected
     # the MoE's static weights are right behind the seam: they stream while AR1 settles
     first = {g.kind: g.tasks[0].ticket for g in table.groups()}
-    seam_end = table.groups()[kinds.index(TaskKind.SEAM)].tasks[-1].ticket
+    seam_end = table.groups()[kinds.index(TaskKind.SEAM_NORM)].tasks[-1].ticket
     assert first[TaskKind.ROUTER] == seam_end + 1
 
 

@@ -1,7 +1,8 @@
 """The AttnRes seam: score the candidates, mix them, and the pre-MLP RMSNorm.
 
 Shapes: S tokens, H hidden, nb AttnRes blocks (nb + 1 <= CANDS candidates),
-VB = geom.vector_block columns per step.
+SC = geom.seam_cols columns a chunk, CH = ceil(H / SC) chunks, CP >= CANDS the
+partials' candidate extent (layout.scratch_layout: the model's widest seam).
 
     V      = [blocks[s, 0], .., blocks[s, nb-1], P[s]]     (fp32 of bf16)
     r_i    = rsqrt(mean(V_i^2) + eps)
@@ -10,21 +11,34 @@ VB = geom.vector_block columns per step.
     h      = bf16(sum_i a_i * V_i)                         (candidates added in order)
     x      = bf16(post_norm * bf16(h * rsqrt(mean(h^2) + eps)))
 
-The scores need all of H before any mixing can start, and the norm needs all of
-h, so a task is one token, in three sweeps over H: (1) the squared sums and the
-q-dot of every candidate in one read, score_i = r_i * (V_i . q) (the reference
-scales before the dot; the two differ by fp32 rounding only); (2) mix, round h
-and stage it in x_out while summing h^2; (3) normalise x_out in place.
-x is rank-local, so the task stores it directly.
+The scores need all of H before any mixing, and the norm all of h: one token
+is three steps, each a task per chunk of SC columns, so the seam spreads over
+CH CTAs instead of one (the mono launch's trace had it at 14 us on one CTA):
+
+    score (s, c): per candidate, the chunk's sum of V^2 and V . q  -> part[s, c]
+    mix   (s, c): every chunk's partials, summed in one fixed order, give the
+                  scores (score_i = r_i * (V_i . q): the reference scales before
+                  the dot, the two differ by fp32 rounding only); h of the
+                  chunk, rounded                   -> h[s, chunk], hsq[s, c]
+    norm  (s, c): the chunks' h^2 sums give the norm  -> x[s, chunk]
+
+Every task of a step computes its token's sums from the same partials in the
+same order, so all chunks agree bit for bit, and the staged launches (a kernel
+per step) and the mono launch's tasks (the same functions) give the same bits.
+x, h and the partials are rank-local, so the tasks store them directly.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from ..errors import expect_tensor
 from ..planner import next_pow2
 from .common import as_f32, rsqrt_rn, to_bf16
+
+PARTS = tl.constexpr(2)  # a chunk's partials per candidate: sum of V^2, V . q
 
 
 @triton.jit
@@ -32,10 +46,10 @@ def _candidate_row(
     i,
     s,
     nb,
-    blocks_ptr,  # [S, nb_max, H] bf16
+    blocks_ptr,  # bf16 [S, nb_max, H]
     stride_bs,
     stride_bn,
-    prefix_ptr,  # [S, H] bf16
+    prefix_ptr,  # bf16 [S, H]
     stride_ps,
 ):
     """Pointer to candidate i of token s: the blocks first, P last."""
@@ -47,105 +61,181 @@ def _candidate_row(
 
 
 @triton.jit
-def attnres_task(
-    s,  # token
-    prefix_ptr,  # [S, H] bf16: P, already updated by AR1
-    stride_ps,
-    blocks_ptr,  # [S, nb_max, H] bf16
-    stride_bs,
-    stride_bn,
-    nb,
-    ares_norm_ptr,  # [H] bf16
-    ares_proj_ptr,  # [H] bf16
-    post_norm_ptr,  # [H] bf16
-    eps,
-    x_ptr,  # [S, H] bf16 out
-    stride_xs,
-    H: tl.constexpr,
-    CANDS: tl.constexpr,
-    VB: tl.constexpr,
-):
-    cand = tl.arange(0, CANDS)
-    offs = tl.arange(0, VB)
-    n_cand = nb + 1
-
-    # (1) per candidate: sum V^2 and V . q in one read.
-    sumsq = tl.zeros([CANDS], dtype=tl.float32)
-    qdot = tl.zeros([CANDS], dtype=tl.float32)
-    for i in range(CANDS):
-        if i < n_cand:
-            row = _candidate_row(i, s, nb, blocks_ptr, stride_bs, stride_bn, prefix_ptr, stride_ps)
-            ss = tl.zeros([VB], dtype=tl.float32)
-            qd = tl.zeros([VB], dtype=tl.float32)
-            for c0 in range(0, H, VB):
-                cols = c0 + offs
-                m = cols < H
-                v = as_f32(tl.load(row + cols, mask=m, other=0.0))
-                q = as_f32(tl.load(ares_norm_ptr + cols, mask=m, other=0.0)) * as_f32(
-                    tl.load(ares_proj_ptr + cols, mask=m, other=0.0)
-                )
-                ss += v * v
-                qd += v * q
-            sumsq = tl.where(cand == i, tl.sum(ss, axis=0), sumsq)
-            qdot = tl.where(cand == i, tl.sum(qd, axis=0), qdot)
-
-    score = rsqrt_rn(sumsq / H + eps) * qdot
-    score = tl.where(cand < n_cand, score, float("-inf"))
-    e = tl.exp(score - tl.max(score, axis=0))
-    a = e / tl.sum(e, axis=0)
-
-    # (2) h = bf16(sum_i a_i V_i), staged in x_out; sum of h^2 for the norm.
-    hsq = tl.zeros([VB], dtype=tl.float32)
-    for c0 in range(0, H, VB):
-        cols = c0 + offs
-        m = cols < H
-        h = tl.zeros([VB], dtype=tl.float32)
-        for i in range(CANDS):
-            if i < n_cand:
-                row = _candidate_row(i, s, nb, blocks_ptr, stride_bs, stride_bn, prefix_ptr, stride_ps)
-                a_i = tl.sum(tl.where(cand == i, a, 0.0), axis=0)
-                h += a_i * as_f32(tl.load(row + cols, mask=m, other=0.0))
-        hb = to_bf16(h)
-        tl.store(x_ptr + s * stride_xs + cols, hb, mask=m)
-        hf = as_f32(hb)
-        hsq += tl.where(m, hf * hf, 0.0)
-
-    # Sweep 3 reads what other threads of this program stored in sweep 2.
-    tl.debug_barrier()
-
-    # (3) x = rms(h, post_norm), in place.
-    r = rsqrt_rn(tl.sum(hsq, axis=0) / H + eps)
-    for c0 in range(0, H, VB):
-        cols = c0 + offs
-        m = cols < H
-        h = as_f32(tl.load(x_ptr + s * stride_xs + cols, mask=m, other=0.0))
-        w = as_f32(tl.load(post_norm_ptr + cols, mask=m, other=0.0))
-        x = to_bf16(w * as_f32(to_bf16(h * r)))
-        tl.store(x_ptr + s * stride_xs + cols, x, mask=m)
+def _chunk_cols(chunk, H: tl.constexpr, SC: tl.constexpr):
+    cols = chunk * SC + tl.arange(0, SC)
+    return cols, cols < H
 
 
 @triton.jit
-def _attnres_kernel(
-    prefix_ptr,  # [S, H] bf16
+def seam_score_task(
+    s,  # token
+    chunk,
+    prefix_ptr,  # bf16 [S, H]: P, already updated by AR1
     stride_ps,
-    blocks_ptr,  # [S, nb_max, H] bf16
+    blocks_ptr,  # bf16 [S, nb_max, H]
     stride_bs,
     stride_bn,
     nb,
-    ares_norm_ptr,  # [H] bf16
-    ares_proj_ptr,  # [H] bf16
-    post_norm_ptr,  # [H] bf16
-    eps,
-    x_ptr,  # [S, H] bf16
-    stride_xs,
+    ares_norm_ptr,  # bf16 [H]
+    ares_proj_ptr,  # bf16 [H]
+    part_ptr,  # fp32 [S, CH, PARTS, CP] out
     H: tl.constexpr,
     CANDS: tl.constexpr,
-    VB: tl.constexpr,
+    CP: tl.constexpr,
+    SC: tl.constexpr,
 ):
-    attnres_task(
-        tl.program_id(0), prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb,
-        ares_norm_ptr, ares_proj_ptr, post_norm_ptr, eps, x_ptr, stride_xs, H, CANDS, VB,
-    )
+    CH: tl.constexpr = triton.cdiv(H, SC)
+    cand = tl.arange(0, CANDS)
+    cols, m = _chunk_cols(chunk, H, SC)
+    q = as_f32(tl.load(ares_norm_ptr + cols, mask=m, other=0.0)) * as_f32(tl.load(ares_proj_ptr + cols, mask=m, other=0.0))
+    sumsq = tl.zeros([CANDS], dtype=tl.float32)
+    qdot = tl.zeros([CANDS], dtype=tl.float32)
+    for i in tl.static_range(CANDS):
+        row = _candidate_row(i, s, nb, blocks_ptr, stride_bs, stride_bn, prefix_ptr, stride_ps)
+        v = as_f32(tl.load(row + cols, mask=m & (i <= nb), other=0.0))
+        sumsq = tl.where(cand == i, tl.sum(v * v, axis=0), sumsq)
+        qdot = tl.where(cand == i, tl.sum(v * q, axis=0), qdot)
+    part = part_ptr + (s * CH + chunk) * (PARTS * CP)
+    tl.store(part + cand, sumsq)
+    tl.store(part + CP + cand, qdot)
+
+
+@triton.jit
+def _mix_weights(
+    s,
+    nb,
+    part_ptr,  # fp32 [S, CH, PARTS, CP]
+    eps,
+    H: tl.constexpr,
+    CANDS: tl.constexpr,
+    CP: tl.constexpr,
+    SC: tl.constexpr,
+):
+    """softmax of the scores, [CANDS] (0 past the nb + 1 candidates)."""
+    CH: tl.constexpr = triton.cdiv(H, SC)
+    CHP: tl.constexpr = triton.next_power_of_2(CH)
+    cand = tl.arange(0, CANDS)
+    chunks = tl.arange(0, CHP)
+    part = part_ptr + s * (CH * PARTS * CP) + chunks[:, None] * (PARTS * CP) + cand[None, :]
+    live = (chunks < CH)[:, None]
+    sumsq = tl.sum(tl.load(part, mask=live, other=0.0), axis=0)
+    qdot = tl.sum(tl.load(part + CP, mask=live, other=0.0), axis=0)
+    score = rsqrt_rn(sumsq / H + eps) * qdot
+    score = tl.where(cand <= nb, score, float("-inf"))
+    e = tl.exp(score - tl.max(score, axis=0))
+    return e / tl.sum(e, axis=0)
+
+
+@triton.jit
+def seam_mix_task(
+    s,  # token
+    chunk,
+    prefix_ptr,  # bf16 [S, H]
+    stride_ps,
+    blocks_ptr,  # bf16 [S, nb_max, H]
+    stride_bs,
+    stride_bn,
+    nb,
+    part_ptr,  # fp32 [S, CH, PARTS, CP]: every chunk's seam_score_task
+    eps,
+    h_ptr,  # bf16 [S, H] out
+    hsq_ptr,  # fp32 [S, CH] out
+    H: tl.constexpr,
+    CANDS: tl.constexpr,
+    CP: tl.constexpr,
+    SC: tl.constexpr,
+):
+    CH: tl.constexpr = triton.cdiv(H, SC)
+    cand = tl.arange(0, CANDS)
+    a = _mix_weights(s, nb, part_ptr, eps, H, CANDS, CP, SC)
+    cols, m = _chunk_cols(chunk, H, SC)
+    h = tl.zeros([SC], dtype=tl.float32)
+    for i in tl.static_range(CANDS):
+        row = _candidate_row(i, s, nb, blocks_ptr, stride_bs, stride_bn, prefix_ptr, stride_ps)
+        a_i = tl.sum(tl.where(cand == i, a, 0.0), axis=0)  # 0 past the candidates: adds +0
+        h += a_i * as_f32(tl.load(row + cols, mask=m & (i <= nb), other=0.0))
+    hb = to_bf16(h)
+    tl.store(h_ptr + s * H + cols, hb, mask=m)
+    hf = as_f32(hb)
+    tl.store(hsq_ptr + s * CH + chunk, tl.sum(tl.where(m, hf * hf, 0.0), axis=0))
+
+
+@triton.jit
+def seam_norm_task(
+    s,  # token
+    chunk,
+    h_ptr,  # bf16 [S, H]: every chunk's seam_mix_task
+    hsq_ptr,  # fp32 [S, CH]: the same
+    post_norm_ptr,  # bf16 [H]
+    eps,
+    x_ptr,  # bf16 [S, H] out
+    stride_xs,
+    H: tl.constexpr,
+    SC: tl.constexpr,
+):
+    CH: tl.constexpr = triton.cdiv(H, SC)
+    chunks = tl.arange(0, triton.next_power_of_2(CH))
+    hsq = tl.sum(tl.load(hsq_ptr + s * CH + chunks, mask=chunks < CH, other=0.0), axis=0)
+    r = rsqrt_rn(hsq / H + eps)
+    cols, m = _chunk_cols(chunk, H, SC)
+    h = as_f32(tl.load(h_ptr + s * H + cols, mask=m, other=0.0))
+    w = as_f32(tl.load(post_norm_ptr + cols, mask=m, other=0.0))
+    tl.store(x_ptr + s * stride_xs + cols, to_bf16(w * as_f32(to_bf16(h * r))), mask=m)
+
+
+@triton.jit
+def _seam_score_kernel(
+    prefix_ptr,  # bf16 [S, H]
+    stride_ps,
+    blocks_ptr,  # bf16 [S, nb_max, H]
+    stride_bs,
+    stride_bn,
+    nb,
+    ares_norm_ptr,  # bf16 [H]
+    ares_proj_ptr,  # bf16 [H]
+    part_ptr,  # fp32 [S, CH, PARTS, CP] out
+    H: tl.constexpr,
+    CANDS: tl.constexpr,
+    CP: tl.constexpr,
+    SC: tl.constexpr,
+):
+    seam_score_task(tl.program_id(0), tl.program_id(1), prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb,
+                    ares_norm_ptr, ares_proj_ptr, part_ptr, H, CANDS, CP, SC)
+
+
+@triton.jit
+def _seam_mix_kernel(
+    prefix_ptr,  # bf16 [S, H]
+    stride_ps,
+    blocks_ptr,  # bf16 [S, nb_max, H]
+    stride_bs,
+    stride_bn,
+    nb,
+    part_ptr,  # fp32 [S, CH, PARTS, CP]
+    eps,
+    h_ptr,  # bf16 [S, H] out
+    hsq_ptr,  # fp32 [S, CH] out
+    H: tl.constexpr,
+    CANDS: tl.constexpr,
+    CP: tl.constexpr,
+    SC: tl.constexpr,
+):
+    seam_mix_task(tl.program_id(0), tl.program_id(1), prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb,
+                  part_ptr, eps, h_ptr, hsq_ptr, H, CANDS, CP, SC)
+
+
+@triton.jit
+def _seam_norm_kernel(
+    h_ptr,  # bf16 [S, H]
+    hsq_ptr,  # fp32 [S, CH]
+    post_norm_ptr,  # bf16 [H]
+    eps,
+    x_ptr,  # bf16 [S, H] out
+    stride_xs,
+    H: tl.constexpr,
+    SC: tl.constexpr,
+):
+    seam_norm_task(tl.program_id(0), tl.program_id(1), h_ptr, hsq_ptr, post_norm_ptr, eps, x_ptr, stride_xs, H, SC)
 
 
 def num_candidates_pad(nb: int) -> int:
@@ -153,11 +243,14 @@ def num_candidates_pad(nb: int) -> int:
     return next_pow2(nb + 1)
 
 
-def launch_attnres(prefix, blocks, nb, ares_norm, ares_proj, post_norm, eps, x_out, geom) -> None:
-    """x_out [S, H] bf16 = rms(AttnRes mix of [blocks[:, :nb], prefix], post_norm).
+def launch_attnres(prefix, blocks, nb, ares_norm, ares_proj, post_norm, eps, x_out, seam, geom) -> None:
+    """x_out [S, H] bf16 = rms(AttnRes mix of [blocks[:, :nb], prefix], post_norm):
+    three launches (score, mix, norm) of a program per (token, chunk).
 
     prefix [S, H] bf16; blocks [S, nb_max, H] bf16 (its strides are used; only
-    the first nb blocks are read); the three norm vectors [H] bf16.
+    the first nb blocks are read); the three norm vectors [H] bf16; ``seam``
+    the steps' scratch (layout.scratch_layout's regions): seam_part [S, CH, 2, CP]
+    fp32, seam_h [S, H] bf16, seam_hsq [S, CH] fp32.
     """
     S, H = prefix.shape
     if blocks.dim() != 3 or blocks.shape[0] != S or blocks.shape[2] != H or not 1 <= nb <= blocks.shape[1]:
@@ -168,8 +261,21 @@ def launch_attnres(prefix, blocks, nb, ares_norm, ares_proj, post_norm, eps, x_o
                     ("ares_proj", ares_proj), ("post_norm", post_norm)):
         if t.stride(-1) != 1:
             raise ValueError(f"launch_attnres: {name} needs unit stride along its last dim")
-    _attnres_kernel[(S,)](
-        prefix, prefix.stride(0), blocks, blocks.stride(0), blocks.stride(1), nb,
-        ares_norm, ares_proj, post_norm, float(eps), x_out, x_out.stride(0),
-        H=H, CANDS=num_candidates_pad(nb), VB=geom.vector_block, num_warps=geom.vector_warps,
+    cands, sc = num_candidates_pad(nb), geom.seam_cols
+    part, h, hsq = seam["seam_part"], seam["seam_h"], seam["seam_hsq"]
+    chunks, cp = triton.cdiv(H, sc), part.shape[-1]
+    if cp < cands:
+        raise ValueError(f"launch_attnres: seam_part holds {cp} candidates, nb={nb} needs {cands}")
+    expect_tensor("seam_part", part, (S, chunks, PARTS.value, cp), torch.float32)
+    expect_tensor("seam_h", h, (S, H), torch.bfloat16)
+    expect_tensor("seam_hsq", hsq, (S, chunks), torch.float32)
+    grid, warps = (S, chunks), geom.vector_warps
+    _seam_score_kernel[grid](
+        prefix, prefix.stride(0), blocks, blocks.stride(0), blocks.stride(1), nb, ares_norm, ares_proj, part,
+        H=H, CANDS=cands, CP=cp, SC=sc, num_warps=warps,
     )
+    _seam_mix_kernel[grid](
+        prefix, prefix.stride(0), blocks, blocks.stride(0), blocks.stride(1), nb, part, float(eps), h, hsq,
+        H=H, CANDS=cands, CP=cp, SC=sc, num_warps=warps,
+    )
+    _seam_norm_kernel[grid](h, hsq, post_norm, float(eps), x_out, x_out.stride(0), H=H, SC=sc, num_warps=warps)

@@ -68,6 +68,25 @@ LOOP_UNROLL = tl.constexpr(1)
 
 
 @triton.jit
+def _gate_up_loads(
+    w1,  # u8 *: expert row 0 of w1 [I_R, L/2]
+    w1_scale,  # u8 *: [I_R, L/32]
+    w3,
+    w3_scale,
+    g0,  # the step's first group (none loads past G_ROW: a lookahead's last step is free)
+    rows,  # [ROWS] int32
+    row_ok,
+    G_ROW: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    groups = g0 + tl.arange(0, BLOCK_G)
+    col_ok = groups < G_ROW
+    words1, scales1 = load_mxfp4_tile(w1, w1_scale, groups, col_ok, rows, row_ok, G_ROW)
+    words3, scales3 = load_mxfp4_tile(w3, w3_scale, groups, col_ok, rows, row_ok, G_ROW)
+    return words1, scales1, words3, scales3
+
+
+@triton.jit
 def expert_gate_up_task(
     task,
     z_ptr,  # bf16 [S, L]
@@ -87,6 +106,7 @@ def expert_gate_up_task(
     DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
     STAGES: tl.constexpr = PIPELINE_STAGES,
     UNROLL: tl.constexpr = LOOP_UNROLL,
+    LOOKAHEAD: tl.constexpr = False,  # load step i + 1 before step i's math (GemvTile.lookahead)
 ):
     """Task = (pair s*K + j, tile of ROWS intermediate rows), pair-major."""
     TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
@@ -106,11 +126,17 @@ def expert_gate_up_task(
     # Per (group column, row) partials; the row sums are taken once, at the end.
     gate = tl.zeros((BLOCK_G, ROWS), tl.float32)
     up = tl.zeros((BLOCK_G, ROWS), tl.float32)
+    if LOOKAHEAD:
+        ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, 0, rows, row_ok, G_ROW, BLOCK_G)
     for g0 in tl.range(0, G_ROW, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
         groups = g0 + tl.arange(0, BLOCK_G)
         col_ok = groups < G_ROW
-        words1, scales1 = load_mxfp4_tile(w1, w1_scale, groups, col_ok, rows, row_ok, G_ROW)
-        words3, scales3 = load_mxfp4_tile(w3, w3_scale, groups, col_ok, rows, row_ok, G_ROW)
+        if LOOKAHEAD:
+            words1, scales1, words3, scales3 = ahead
+            ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, g0 + BLOCK_G, rows, row_ok, G_ROW, BLOCK_G)
+        else:
+            words1, scales1, words3, scales3 = _gate_up_loads(w1, w1_scale, w3, w3_scale, g0, rows, row_ok, G_ROW,
+                                                              BLOCK_G)
         a_ptrs, a_ok = act_pair_ptrs(z_ptr + token * L, groups, col_ok)
         dot1, dot3 = mxfp4_group_dot_pair(words1, words3, a_ptrs, a_ok, DEQUANT)
         gate += dot1 * e8m0_scale(scales1)
@@ -140,6 +166,7 @@ def _expert_gate_up_kernel(
     DEQUANT: tl.constexpr,
     STAGES: tl.constexpr,
     UNROLL: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
 ):
     expert_gate_up_task(
         tl.program_id(0),
@@ -160,7 +187,33 @@ def _expert_gate_up_kernel(
         DEQUANT,
         STAGES,
         UNROLL,
+        LOOKAHEAD,
     )
+
+
+@triton.jit
+def _down_loads(
+    c0,  # the step's first (slot, group) column (none loads past K * G_ROW)
+    token,
+    ids_ptr,  # int32 [S, K]
+    w2_ptr,  # u8 [E, L, I_R/2]
+    w2_scale_ptr,  # u8 [E, L, I_R/32]
+    rows,  # [ROWS] int32
+    row_ok,
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    G_ROW: tl.constexpr = I_R // GROUP
+    cols = c0 + tl.arange(0, BLOCK_G)
+    col_ok = cols < K * G_ROW
+    pair = token * K + cols // G_ROW
+    # int64: E * L * I_R/2 bytes passes 2^31 at TP1.
+    expert = tl.load(ids_ptr + pair, mask=col_ok, other=0).to(tl.int64)
+    w2 = (w2_ptr + expert * (L * I_R // PACKING))[:, None]
+    w2_scale = (w2_scale_ptr + expert * (L * G_ROW))[:, None]
+    return load_mxfp4_tile(w2, w2_scale, cols % G_ROW, col_ok, rows, row_ok, G_ROW)
 
 
 @triton.jit
@@ -180,6 +233,7 @@ def expert_down_task(
     DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
     STAGES: tl.constexpr = PIPELINE_STAGES,
     UNROLL: tl.constexpr = LOOP_UNROLL,
+    LOOKAHEAD: tl.constexpr = False,  # load step i + 1 before step i's math (GemvTile.lookahead)
 ):
     """Task = (token, tile of ROWS latent rows), token-major.
 
@@ -199,18 +253,20 @@ def expert_down_task(
     row_ok = rows < L
 
     acc = tl.zeros((BLOCK_G, ROWS), tl.float32)
+    if LOOKAHEAD:
+        ahead = _down_loads(0, token, ids_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R, BLOCK_G)
     for c0 in tl.range(0, COLS, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
         cols = c0 + tl.arange(0, BLOCK_G)
         col_ok = cols < COLS
         pair = token * K + cols // G_ROW
         groups = cols % G_ROW
-        # int64: E * L * I_R/2 bytes passes 2^31 at TP1.
-        expert = tl.load(ids_ptr + pair, mask=col_ok, other=0).to(tl.int64)
+        if LOOKAHEAD:
+            words, scales = ahead
+            ahead = _down_loads(c0 + BLOCK_G, token, ids_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R, BLOCK_G)
+        else:
+            words, scales = _down_loads(c0, token, ids_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R, BLOCK_G)
         # The 2^63 the dot still owes rides on the route weight (both exact).
         weight = tl.load(route_w_ptr + pair, mask=col_ok, other=0.0) * OUT_RESCALE
-        w2 = (w2_ptr + expert * (L * I_R // PACKING))[:, None]
-        w2_scale = (w2_scale_ptr + expert * (L * G_ROW))[:, None]
-        words, scales = load_mxfp4_tile(w2, w2_scale, groups, col_ok, rows, row_ok, G_ROW)
         a_ptrs, a_ok = act_pair_ptrs((act_ptr + pair * I_R)[:, None], groups, col_ok)
         acc += mxfp4_group_dot(words, a_ptrs, a_ok, DEQUANT) * (e8m0_scale(scales) * weight[:, None])
     tl.store(out_ptr + token * L + rows, tl.sum(acc, axis=0), mask=row_ok)
@@ -232,9 +288,10 @@ def _expert_down_kernel(
     DEQUANT: tl.constexpr,
     STAGES: tl.constexpr,
     UNROLL: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
 ):
     expert_down_task(tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R, ROWS,
-                     BLOCK_G, DEQUANT, STAGES, UNROLL)
+                     BLOCK_G, DEQUANT, STAGES, UNROLL, LOOKAHEAD)
 
 
 # -- launchers -------------------------------------------------------------------
@@ -320,6 +377,7 @@ def launch_expert_gate_up(
         DEQUANT=EXPERT_DEQUANT if dequant is None else dequant,
         STAGES=EXPERT_STAGES,
         UNROLL=EXPERT_UNROLL,
+        LOOKAHEAD=tile.lookahead,
         num_warps=tile.warps,
     )
 
@@ -361,5 +419,6 @@ def launch_expert_down(
         DEQUANT=EXPERT_DEQUANT if dequant is None else dequant,
         STAGES=EXPERT_STAGES,
         UNROLL=EXPERT_UNROLL,
+        LOOKAHEAD=tile.lookahead,
         num_warps=tile.warps,
     )

@@ -20,7 +20,7 @@ Per task:
    core settles; otherwise its weights stream at once); M1C has no wait; M1B
    has none either, or, where M1C runs first, one for every M1C task (its w_v
    tile is not read before it: a few KB, next to the cache M1C streams);
-   REDUCE*, SEAM, ROUTE and LATENT_NORM read activations only (their small
+   REDUCE*, SEAM_*, ROUTE and LATENT_NORM read activations only (their small
    norm vectors are not prefetched). The stage task functions load x and w
    in one loop, so what is prefetched is an L2 warm-up, not registers kept
    across the wait;
@@ -62,7 +62,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attnres import attnres_task
+from .attnres import seam_mix_task, seam_norm_task, seam_score_task
 from .experts import expert_down_task, expert_gate_up_task
 from .final import final_task
 from .latent_down import latent_down_task
@@ -80,7 +80,7 @@ from .sync import H_SINK, poll_once, raise_counter, reached, wait_counter
 # kind codes (planner.TaskKind)
 K_OPROJ = tl.constexpr(0)
 K_REDUCE1 = tl.constexpr(1)
-K_SEAM = tl.constexpr(2)
+K_SEAM_SCORE = tl.constexpr(2)
 K_ROUTER = tl.constexpr(3)
 K_LATENT_DOWN = tl.constexpr(4)
 K_SHARED_GU = tl.constexpr(5)
@@ -94,6 +94,8 @@ K_REDUCE3 = tl.constexpr(12)
 K_M1B = tl.constexpr(13)
 K_NOP = tl.constexpr(14)
 K_M1C = tl.constexpr(15)
+K_SEAM_MIX = tl.constexpr(16)
+K_SEAM_NORM = tl.constexpr(17)
 
 # int table columns (planner.TABLE_COLUMNS)
 C_KIND = tl.constexpr(0)
@@ -303,13 +305,14 @@ def expert_down_push_task(
     I_R: tl.constexpr,
     DN_ROWS: tl.constexpr,
     DN_BG: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
     """expert_down_task stores its tile into the own slot; with NP > 1 the CTA
     then copies those rows to every peer's before raising."""
     expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32 + slot,
-                     KTOP, L, I_R, DN_ROWS, DN_BG)
+                     KTOP, L, I_R, DN_ROWS, DN_BG, LOOKAHEAD=LOOKAHEAD)
     if NP > 1:
         tl.debug_barrier()
         rows = tile * DN_ROWS + tl.arange(0, DN_ROWS)
@@ -510,8 +513,11 @@ def _mono_kernel(
     GU_BG: tl.constexpr,
     DN_ROWS: tl.constexpr,
     DN_BG: tl.constexpr,
+    EXPERT_LOOKAHEAD: tl.constexpr,
     VB: tl.constexpr,
     CANDS: tl.constexpr,
+    CP: tl.constexpr,  # the seam partials' candidate extent (>= CANDS)
+    SC: tl.constexpr,  # columns a seam task covers
     RC1: tl.constexpr,  # power of two >= reduce1 tile columns
     RC3: tl.constexpr,
     BETA: tl.constexpr,
@@ -532,6 +538,9 @@ def _mono_kernel(
     ACT_B: tl.constexpr,
     LAT_B: tl.constexpr,
     SACT_B: tl.constexpr,
+    SPART_F: tl.constexpr,
+    SH_B: tl.constexpr,
+    SHSQ_F: tl.constexpr,
     CTL_I: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
     SCOPE: tl.constexpr,
@@ -659,9 +668,16 @@ def _mono_kernel(
             elif kind == K_REDUCE1:
                 reduce1_task(start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, S, H, T, RC1)
                 raise_counter(flags + rword, SCOPE)
-            elif kind == K_SEAM:
-                attnres_task(token, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb, ares_nw_ptr,
-                             ares_qk_ptr, in_nw_ptr, eps, x_ptr, H, H, CANDS, VB)
+            elif kind == K_SEAM_SCORE:
+                seam_score_task(token, tile, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb, ares_nw_ptr,
+                                ares_qk_ptr, sc_f32 + SPART_F, H, CANDS, CP, SC)
+                raise_counter(flags + rword, SCOPE)
+            elif kind == K_SEAM_MIX:
+                seam_mix_task(token, tile, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb,
+                              sc_f32 + SPART_F, eps, sc_bf16 + SH_B, sc_f32 + SHSQ_F, H, CANDS, CP, SC)
+                raise_counter(flags + rword, SCOPE)
+            elif kind == K_SEAM_NORM:
+                seam_norm_task(token, tile, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, x_ptr, H, H, SC)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTER:
                 router_push_task(tile, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S,
@@ -679,12 +695,12 @@ def _mono_kernel(
             elif kind == K_EXPERT_GU:
                 gu_task = (token * KTOP + slot) * tl.cdiv(I_R, GU_ROWS) + tile
                 expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr,
-                                    KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA)
+                                    KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA, LOOKAHEAD=EXPERT_LOOKAHEAD)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_DOWN:
                 expert_down_push_task(token, tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32, peer_table_ptr,
-                                      pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, DN_ROWS, DN_BG, NP,
-                                      SCOPE)
+                                      pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, DN_ROWS, DN_BG,
+                                      EXPERT_LOOKAHEAD, NP, SCOPE)
             elif kind == K_PREFETCH_FINAL:
                 sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
                 sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
