@@ -10,7 +10,8 @@
 # (the sweep is where a new knob is decided: put it first when one is pending); profile:
 # Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8); stalls: all
 # counters of the expert stages and the mono launch (S = 1); tiles: the sweep's expert tiles only;
-# trace: where the mono launch's time goes, per task kind, from a trace build (S = 1, 8);
+# trace: where the mono launch's time goes, per task kind, from a trace build (S = 1, 8); trace_double: the
+# same at S = 1 with the route and latent norm run twice in a row;
 # defaults: the mono defaults against their alternatives; sleep: the trace at three pauses between polls;
 # loops: the expert stages' loops at other pipeline depths and unroll factors (staged);
 # check_staged: the staged path's check alone; check_lookahead: the mono check with expert loops loading a
@@ -95,6 +96,8 @@ for s in $STEPS; do
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     trace)  # every ticket's SM and times, per task kind (a trace build), S = 1 and 8
         step mono_trace 200 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
+    trace_double)  # S = 1: the route and the latent norm run twice in a row (first-of-kind costs)
+        step mono_trace_double 200 python3 benchmarks/mono_trace.py --tokens 1 --double ROUTE LATENT_NORM ;;
     defaults)  # the mono defaults against their alternatives (expert rows, pause between polls), S = 1 and 8
         step mono_defaults 200 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-rows 32 16 \
             --poll-sleep-ns 0 250

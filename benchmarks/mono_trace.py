@@ -3,10 +3,14 @@ ticket's SM and timer readings from a trace build (k3mono/trace.py), per
 task kind, for each token count; beside it the traced and the plain build's
 CUDA-graph time (what recording costs).
 
-    python benchmarks/mono_trace.py [--tokens 1 8] [--poll-sleep-ns 0 200] [--out DIR]
+    python benchmarks/mono_trace.py [--tokens 1 8] [--poll-sleep-ns 0 200] [--double ROUTE ...] [--out DIR]
 
 The traced launch runs after launches on the other rotated weight sets, as
-a replay would (its weights are not in L2), and is read eagerly.
+a replay would (its weights are not in L2), and is read eagerly. ``--double``
+traces, for each kind named, the timing variant that runs each of its tasks
+twice in a row on one CTA (planner.timing_variant): the copy's run time
+beside the first's tells what a task pays for being the first of its kind
+(code and data not yet cached on its SM).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from k3mono.bench import WEIGHT_SETS, mono_runners, time_mono
 from k3mono.config import preset
 from k3mono.mono import default_options
+from k3mono.planner import TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
 from k3mono.trace import format_summary, summarize
@@ -29,19 +34,32 @@ from k3mono.trace import format_summary, summarize
 WARM_LAUNCHES = 3
 
 
-def traced_launch(runners) -> tuple[float, list]:
-    """Launch every set's runner WARM_LAUNCHES times, then the others once more
+def traced_launch(ranks) -> tuple[float, list]:
+    """Launch every set's rank WARM_LAUNCHES times, then the others once more
     and the first one last; its trace, summarized."""
     for _ in range(WARM_LAUNCHES):
-        for runner in runners:
-            runner.launch(0)
-    for runner in runners[1:] + runners[:1]:
-        runner.launch(0)
+        for rank in ranks:
+            rank.launch()
+    for rank in ranks[1:] + ranks[:1]:
+        rank.launch()
     torch.cuda.synchronize()
-    for runner in runners:
-        runner.check_health()
-    rank = runners[0].rank_states[0]
-    return summarize(rank.trace, rank.compiled.table)
+    for rank in ranks:
+        rank.check_health()
+    return summarize(ranks[0].trace, ranks[0].compiled.table)
+
+
+def doubled_text(ranks, kind: str) -> str:
+    """The variant running each ``kind`` task twice: its tasks' first and second runs (us)."""
+    varied = [rank.timing_variant("double", TaskKind[kind]) for rank in ranks]
+    traced_launch(varied)
+    rows = varied[0].trace.cpu()
+    tickets = [t.ticket for t in varied[0].compiled.table.tasks if t.kind == TaskKind[kind]]
+    runs = [(rows[t, 3] - rows[t, 2]).item() / 1e3 for t in tickets]
+    first, second = runs[0::2], runs[1::2]
+    same_sm = sum(int(rows[a, 0] == rows[b, 0]) for a, b in zip(tickets[0::2], tickets[1::2]))
+    return (f"{kind} doubled: first runs {sum(first) / len(first):.2f} us (max {max(first):.2f}), "
+            f"second runs {sum(second) / len(second):.2f} us (max {max(second):.2f}), {len(first)} tasks, "
+            f"{same_sm} copies on the first's SM")
 
 
 def main() -> None:
@@ -49,6 +67,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--poll-sleep-ns", type=int, nargs="+", default=[0], help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--double", nargs="*", default=[], help="task kinds (planner.TaskKind names) to run twice")
     parser.add_argument("--out", default=None, help="directory for mono-trace-S<tokens>-sleep<ns>.json")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
@@ -56,13 +75,16 @@ def main() -> None:
     for tokens, sleep_ns in itertools.product(args.tokens, args.poll_sleep_ns):
         options = default_options(poll_sleep_ns=sleep_ns)
         runners = mono_runners(cfg, args.tp, tokens, sets, trace=True, options=options)
-        launch_us, spans = traced_launch(runners)
+        ranks = [runner.rank_states[0] for runner in runners]
+        launch_us, spans = traced_launch(ranks)
         traced = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
-        del runners
+        doubled = [doubled_text(ranks, kind) for kind in args.double]
+        del runners, ranks
         torch.cuda.empty_cache()
         plain = time_mono(cfg, args.tp, tokens, sets, options=options)
         print(f"T={args.tp} S={tokens} poll sleep {sleep_ns} ns: traced launch {traced * 1e6:.1f} us, plain "
-              f"{plain * 1e6:.1f} us (CUDA-graph replay)\n{format_summary(launch_us, spans)}", flush=True)
+              f"{plain * 1e6:.1f} us (CUDA-graph replay)\n{format_summary(launch_us, spans)}", *doubled, sep="\n",
+              flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, traced_us=traced * 1e6,

@@ -592,6 +592,9 @@ class MonoRank:
         varied = copy.copy(self)
         varied.key = dataclasses.replace(self.key, variant=(how, int(kind)))
         varied.compiled = build(varied.key)
+        if self.key.trace:  # the variant's own tickets
+            varied.trace = torch.zeros((len(varied.compiled.table.tasks), TRACE_WORDS), dtype=torch.int64,
+                                       device=self.trace.device)
         return varied
 
     # -- views -------------------------------------------------------------------------------

@@ -376,8 +376,9 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 # Every rank runs the SAME table (``plan`` takes no rank): ticket i is the same
 # task on every rank, only its rank offsets (which logits / z columns, which
 # peer slot) differ. CTAs take tickets from a global counter in table order and
-# grab the next one before starting the current one; a task issues its weight
-# loads (or L2 prefetch) before it polls its data waits.
+# grab the next one once the current one's waits are met (a blocked CTA holds
+# one ticket); a task issues its weight loads (or L2 prefetch) before it polls
+# its data waits.
 #
 # Invariant (``plan`` checks it, tests/test_planner.py proves no deadlock with
 # it): every wait's raisers have strictly lower tickets, on this rank and, for

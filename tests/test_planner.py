@@ -411,7 +411,7 @@ class Deadlock(AssertionError):
 
 class LaunchSim:
     """T ranks, each with ``ctas`` CTAs taking tickets in table order (the next
-    one grabbed when a task starts), blocking on waits, raising flags at the end
+    one grabbed once a task's waits are met), blocking on waits, raising flags at the end
     of a task: local flags at once, peer flags on every rank after a link
     latency. Counters are never cleared; launch e waits for e * count. Ranks run
     at different speeds with jitter, and ``launches`` back to back, so a fast
@@ -474,8 +474,7 @@ class LaunchSim:
         self.epoch[rank] += 1
         self.next_ticket[rank], self.done[rank] = 0, 0
         for _ in range(self.ctas):
-            cta = {"rank": rank, "epoch": self.epoch[rank], "cur": self._take(rank), "pos": 0}
-            cta["next"] = self._take(rank)  # grabbed early
+            cta = {"rank": rank, "epoch": self.epoch[rank], "cur": self._take(rank), "pos": 0, "next": None}
             if cta["cur"] is not None:
                 self._proceed(cta)
 
@@ -490,6 +489,7 @@ class LaunchSim:
                 return
             self._check_epochs(rank, word, epoch, target, ticket)
             cta["pos"] += 1
+        cta["next"] = self._take(rank)  # grabbed as the task starts, after its waits
         self._at(self.now + self.cost[rank][ticket], self._finish, cta)
 
     def _check_epochs(self, rank, word, epoch, target, ticket):
@@ -509,9 +509,8 @@ class LaunchSim:
             else:
                 self._bump(rank, word, cta["epoch"])
         self.done[rank] += 1
-        cta["cur"], cta["pos"] = cta["next"], 0
+        cta["cur"], cta["pos"], cta["next"] = cta["next"], 0, None
         if cta["cur"] is not None:
-            cta["next"] = self._take(rank)
             self._proceed(cta)
         elif self.done[rank] == self.n:
             self.finished_at[rank].append(self.now)
