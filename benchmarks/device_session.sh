@@ -15,7 +15,8 @@
 # defaults: the mono defaults against their alternatives; sleep: the trace at three pauses between polls;
 # loops: the expert stages' loops at other pipeline depths and unroll factors (staged);
 # check_staged: the staged path's check alone; check_lookahead: the mono check with expert loops loading a
-# step ahead; lookahead: those loops timed (mono at 2 and 3 CTAs a SM, staged);
+# step ahead; lookahead: those loops timed (mono at 2 and 3 CTAs a SM, staged); final: router rows and the
+# FINAL prefetch (S = 1), the prefetch (S = 8);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -64,6 +65,11 @@ for s in $STEPS; do
     check_lookahead)  # the mono launch with expert loops that load a step ahead
         step gpu_check_lookahead 200 python3 benchmarks/gpu_check.py --skip-staged --tokens $CHECK_TOKENS \
             --expert-lookahead 1 --grids 132 1 --occupy-sms 0 ;;
+    final)  # S = 1: router rows 8 / 2 x FINAL's weights prefetched or not; S = 8: the prefetch (lookahead on)
+        step mono_final_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
+            --router-rows 8 2 --prefetch-final 0 1
+        step mono_final_s8 120 python3 benchmarks/mono_sweep.py --tokens 8 --ctas 2 --prefetch 0 --expert-lookahead 1 \
+            --prefetch-final 0 1 ;;
     lookahead)  # expert loops loading a step ahead, at 2 and 3 CTAs a SM (mono) and staged
         step mono_lookahead 300 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 3:168 --prefetch 0 \
             --expert-lookahead 0 1 ;;

@@ -7,13 +7,14 @@ grid, not a register budget, sets how many warps an SM holds).
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
                                     [--dense-step-kb 8 16 32] [--expert-rows 32 16 8] [--router-rows 8 4 2]
-                                    [--poll-sleep-ns 0 200] [--expert-lookahead 0 1]
+                                    [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
 (maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
 (benchmarks/resource_check.py); 168 lets 3 fit, 128 lets 4, at the cost of spills.
 ``--poll-sleep-ns`` the pause of a waiting CTA between polls (MonoOptions.poll_sleep_ns);
-``--expert-lookahead`` whether the expert loops load a step ahead (TileChoice.expert_lookahead).
+``--expert-lookahead`` whether the expert loops load a step ahead (TileChoice.expert_lookahead);
+``--prefetch-final`` whether PREFETCH_FINAL tasks pull FINAL's weights into L2 (MonoOptions.prefetch_final).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--poll-sleep-ns", type=int, nargs="+", default=[0], help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--expert-lookahead", type=int, nargs="+", default=[int(EXPERT_LOOKAHEAD)],
                         help="TileChoice.expert_lookahead (0 / 1)")
+    parser.add_argument("--prefetch-final", type=int, nargs="+", default=[0], help="MonoOptions.prefetch_final (0 / 1)")
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args()
     cfg = preset("kimi-k3")
@@ -64,13 +66,16 @@ def main() -> None:
                                                         args.expert_lookahead)]
         for tiles in choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
-        for prefetch, sleep_ns, config, tiles in itertools.product(args.prefetch, args.poll_sleep_ns, args.ctas, choices):
+        knobs = itertools.product(args.prefetch, args.prefetch_final, args.poll_sleep_ns, args.ctas, choices)
+        for prefetch, prefetch_final, sleep_ns, config, tiles in knobs:
             ctas, _, cap = config.partition(":")
-            label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} sleep {sleep_ns} ns ctas/SM {config} "
+            label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} final {prefetch_final} sleep {sleep_ns} ns "
+                     f"ctas/SM {config} "
                      f"dense step {tiles.dense_step_kb} KB expert rows {tiles.expert_rows} router rows "
                      f"{tiles.router_rows} lookahead {int(tiles.expert_lookahead)}")
             try:
-                options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, poll_sleep_ns=sleep_ns)
+                options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, poll_sleep_ns=sleep_ns,
+                                      prefetch_final=bool(prefetch_final))
                 mono = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch,
                                  max_registers=int(cap) if cap else None)
                 print(f"{label}: {mono * 1e6:8.1f} us", flush=True)
