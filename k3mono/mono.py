@@ -115,11 +115,14 @@ gave nothing more); the L2 prefetch before a blocking wait (mode 1) cost 20 to
 in registers across the wait."""
 
 
-DEFAULT_TILES = TileChoice()
-"""The staged path's tiles (32 expert rows, 8 router rows), measured on the
-H200 (benchmarks/mono_sweep.py, docs/PERF.md): 16 expert rows took S = 1 from
-118.5 to 129.5 us and S = 8 from 264.1 to 319.9 (an earlier machine had shown
-the opposite, 140.9 -> 127.4); 2 router rows (with 32 expert rows) 129.0 at S = 1."""
+DEFAULT_TILES = TileChoice(expert_lookahead=True)
+"""The staged path's tiles (32 expert rows, 2 router rows) with expert loops
+that load a step ahead, measured on the H200 (benchmarks/mono_sweep.py,
+docs/PERF.md): the lookahead took S = 1 from 125.9 to 122.2 and from 113.9 to
+112.8 us, S = 8 from 249.4 to 246.9 and from 248.4 to 246.1 (two machines; the
+staged path's S = 8 lost 11 us with it, so the planner's default keeps it off);
+16 expert rows took S = 1 from 118.5 to 129.5 us and S = 8 from 264.1 to 319.9
+(an earlier machine had shown the opposite, 140.9 -> 127.4)."""
 DEFAULT_POLL_SLEEP_NS = 0
 """Measured on the H200 (benchmarks/mono_sweep.py, mono_trace.py): a 250 ns
 pause between polls moved S = 1 by -3.5 to +0.7 us and S = 8 by +0.4 to +2.0,

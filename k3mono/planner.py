@@ -68,13 +68,15 @@ SM, half of the ~32 KB HBM latency wants, and the o_proj's K = C/T = 1536 at
 T = 8 is only 3 steps of 512, each a full memory round trip. Measured on the
 H200 (docs/PERF.md, 2026-12-03): 16 and 32 KB were slower; 8 stays."""
 
-ROUTER_ROWS = FMA_TILE[0]
+ROUTER_ROWS = 2
 ROUTER_ROWS_CHOICES = (2, 4, 8)
 """Rows of a router task on the FMA path (S <= FMA_MAX_TOKENS; tl.dot needs 16).
 The router is on the latency chain (x -> logits -> route -> experts) and has
-only E/T = 112 rows at T = 8: 14 tasks of 8 rows, each streaming 115 KB alone
-(measured: it holds 8.7 us of the mono launch at S = 1). 4 or 2 rows
-(TileChoice.router_rows) make 28 or 56 tasks of the same bytes a step."""
+only E/T = 112 rows at T = 8: 8 rows a task made 14 tasks, each streaming 115 KB
+alone, a step (8 KB) a memory round trip (the trace: 9.5 us a task at S = 1).
+2 rows make 56 tasks of the same bytes a step, a quarter of the steps each:
+measured on the H200 (benchmarks/mono_sweep.py, docs/PERF.md), S = 1 went from
+111.3 to 106.8 us (mono) and from 110.6 to 105.2 (staged) in one run."""
 
 SEAM_COLS = 512
 SEAM_MIN_CHUNKS = 4

@@ -303,14 +303,14 @@ def test_any_grid_completes_and_the_last_cta_out_resets_the_counters():
     assert all(same_bits(results[0], other) for other in results[1:])
 
 
-@pytest.mark.parametrize("tiles", [TileChoice(expert_rows=8), TileChoice(expert_rows=16), TileChoice(router_rows=2),
+@pytest.mark.parametrize("tiles", [TileChoice(expert_rows=8), TileChoice(expert_rows=16), TileChoice(router_rows=8),
                                    TileChoice(expert_lookahead=True)],
-                         ids=["expert-rows-8", "expert-rows-16", "router-rows-2", "expert-lookahead"])
+                         ids=["expert-rows-8", "expert-rows-16", "router-rows-8", "expert-lookahead"])
 def test_other_task_shapes_change_no_bits(tiles):
     """Each output row's sums run over the same columns in the same order
     whatever the rows a task holds (the tiny preset's router step is capped at
     its 224-wide input either way): more, smaller tasks give the same bits
-    (S = 3 at T = 1: 4x or 2x the expert tasks, 4x the router tasks); so do
+    (S = 3 at T = 1: 4x or 2x the expert tasks, a quarter of the router tasks); so do
     expert loops that load a step ahead."""
     cfg, tokens, layer = preset("tiny"), 3, 13
     shards = shard_all(layer_weights(), cfg, 1)

@@ -663,16 +663,17 @@ def test_fewer_expert_rows_make_more_expert_tasks_over_the_same_bytes(rows):
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(expert_rows=12)))
 
 
-@pytest.mark.parametrize("rows", [4, 2])
-def test_fewer_router_rows_make_more_router_tasks_of_the_same_step_bytes(rows):
-    """TileChoice.router_rows (FMA path): 8 / rows times the router tasks at S = 1,
-    TP8, each step as many bytes (a longer K step), the same bytes streamed; the
-    tl.dot path (S = 8) keeps its 16-row tile."""
+@pytest.mark.parametrize("rows", [4, 8])
+def test_router_rows_set_the_router_tasks_over_the_same_step_bytes(rows):
+    """TileChoice.router_rows (FMA path): rows / 2 times fewer router tasks than
+    the default 2 rows at S = 1, TP8, each step as many bytes (a shorter K step),
+    the same bytes streamed; the tl.dot path (S = 8) keeps its 16-row tile."""
     cfg = preset("kimi-k3")
     options = MonoOptions(tiles=TileChoice(router_rows=rows))
     base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, options)
     count = lambda t: sum(task.kind == TaskKind.ROUTER for task in t.tasks)  # noqa: E731
-    assert count(narrow) == count(base) * 8 // rows
+    assert base.geometry.router.rows == 2 and count(base) == 56
+    assert count(narrow) == count(base) * 2 // rows
     b, n = base.geometry.router, narrow.geometry.router
     assert n.rows * n.block_k == b.rows * b.block_k
     streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
