@@ -13,6 +13,7 @@ Scratch of a rank (only that rank reads and writes it):
     x          [S, H]        bf16   the MoE input rms(h)
     route_ids  [S, K]        int32  ascending per token
     route_w    [S, K]        fp32   renormalised sigmoid scores, route_ids order
+    route_keys [S, P, K_PAD] int64  each route part's top-K keys (kernels/route.py)
     expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
     latent     [S, L]        bf16   rms(bf16(sum of AR2), routed_expert_norm)
     shared_act [S, SI/T]     bf16   situ of the shared experts, this rank's slice
@@ -22,7 +23,8 @@ Scratch of a rank (only that rank reads and writes it):
     split_o    [splits, S, heads_r, DL] fp32   M1c's split outputs (only with M1C tasks)
     split_lse  [splits, S, heads_r]     fp32   their log-sum-exps   (only with M1C tasks)
 
-CH = ceil(H / planner.seam_cols(H)) seam chunks; CP = planner.seam_candidates_max
+P = ceil(E / planner.route_chunk) route parts, K_PAD = K rounded up to a power
+of two; CH = ceil(H / planner.seam_cols(H)) seam chunks; CP = planner.seam_candidates_max
 (the model's widest seam), so one layout serves every layer.
 
 The split outputs are the launch's own: written by its M1C tasks, read by its
@@ -38,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from .config import K3Config
-from .planner import seam_candidates_max, seam_cols
+from .planner import next_pow2, route_chunk, seam_candidates_max, seam_cols
 
 REGION_ALIGN = 256
 """Bytes: a region boundary is aligned for every vector width and keeps two
@@ -46,7 +48,7 @@ regions out of one 128-byte cache line, so a writer of one never invalidates
 a reader of the other."""
 
 PEER_REGIONS = ("ar1", "logits", "z", "ar2", "ar3")
-SCRATCH_REGIONS = ("x", "route_ids", "route_w", "expert_act", "latent", "shared_act", "seam_part", "seam_h", "seam_hsq")
+SCRATCH_REGIONS = ("x", "route_ids", "route_w", "route_keys", "expert_act", "latent", "shared_act", "seam_part", "seam_h", "seam_hsq")
 
 
 def _aligned(nbytes: int) -> int:
@@ -84,11 +86,12 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
     """A rank's scratch buffer: name -> (byte offset, shape, dtype). ``m1c``: the
     launch's M1C tasks (planner.M1cGeometry: splits, heads, latent), or None."""
     H, K, L, S = cfg.hidden_size, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, tokens
-    chunks = -(-H // seam_cols(H))
+    E, chunks = cfg.num_experts, -(-H // seam_cols(H))
     regions = {
         "x": ((S, H), torch.bfloat16),
         "route_ids": ((S, K), torch.int32),
         "route_w": ((S, K), torch.float32),
+        "route_keys": ((S, -(-E // route_chunk(E, K)), next_pow2(K)), torch.int64),
         "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
         "latent": ((S, L), torch.bfloat16),
         "shared_act": ((S, cfg.shared_intermediate // tp), torch.bfloat16),

@@ -283,7 +283,7 @@ def build(key: MonoBuild) -> Compiled:
     consts = dict(
         NCOL=len(COL),
         NP=1 if key.loopback else T, T=T, S=S, SP=g.tokens_pad, H=H, C_R=C // T, E=E, E_R=E // T,
-        E_PAD=next_pow2(E), KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
+        E_PAD=next_pow2(E), RC=g.route_chunk, KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
         USE_DOT=g.use_dot, UPCAST=common.UPCAST_DOT,
         O_ROWS=g.oproj.rows, O_BK=g.oproj.block_k, O_EVEN=even_k(C // T, g.oproj.block_k),
         R_ROWS=g.router.rows, R_BK=g.router.block_k, R_EVEN=even_k(H, g.router.block_k),
@@ -300,6 +300,7 @@ def build(key: MonoBuild) -> Compiled:
         AR2_F=elems(data["ar2"][0], 4), AR3_F=elems(data["ar3"][0], 4),
         PAR_F=elems(half, 4), PAR_B=elems(half, 2), FLAG_I=elems(peer["flags"][0], 4),
         X_B=elems(scratch["x"][0], 2), IDS_I=elems(scratch["route_ids"][0], 4), RW_F=elems(scratch["route_w"][0], 4),
+        RK_I=elems(scratch["route_keys"][0], 4),
         ACT_B=elems(scratch["expert_act"][0], 2), LAT_B=elems(scratch["latent"][0], 2),
         SACT_B=elems(scratch["shared_act"][0], 2), SPART_F=elems(scratch["seam_part"][0], 4),
         SH_B=elems(scratch["seam_h"][0], 2), SHSQ_F=elems(scratch["seam_hsq"][0], 4), CTL_I=elems(scratch["ctl"][0], 4),

@@ -98,6 +98,20 @@ def seam_candidates_max(cfg: K3Config) -> int:
     return next_pow2(cfg.num_blocks(cfg.num_hidden_layers - 1) + 1)
 
 
+ROUTE_CHUNK = 128
+ROUTE_MIN_PARTS = 4
+"""Experts a route part sorts (kernels/route.py): a token's top-K is the top-K
+of its parts' top-Ks, each a CTA; at E = 896, 7 parts of 128 and a merge of
+their 7 x 16 keys, instead of one CTA sorting 1024 keys (8 to 14 us of the mono
+launch at S = 1, its trace). Narrower configs get at least ROUTE_MIN_PARTS
+parts (never fewer experts than K_PAD a part), so the small test presets merge
+parts as the released one does."""
+
+
+def route_chunk(num_experts: int, top_k: int) -> int:
+    return max(next_pow2(top_k), min(ROUTE_CHUNK, next_pow2(num_experts) // ROUTE_MIN_PARTS))
+
+
 EXPERT_ROWS = 32
 EXPERT_ROWS_CHOICES = (8, 16, 32)
 """Output rows of an MXFP4 expert task. At 32, S = 1 at TP8 has 192 gate/up
@@ -204,6 +218,7 @@ class StageGeometry:
     vector_block: int  # columns a vector stage handles per step
     vector_warps: int
     seam_cols: int  # columns of H an AttnRes seam task covers (SEAM_COLS)
+    route_chunk: int  # experts a route part sorts (ROUTE_CHUNK)
     # Warps of latent_norm (staged launch): on the latency chain, one CTA keeps a
     # token's T partial slots in flight at once, so more warps than the reduces.
     latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
@@ -366,6 +381,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
         seam_cols=seam_cols(H),
+        route_chunk=route_chunk(E, cfg.num_experts_per_token),
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )
@@ -413,7 +429,9 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #   SHARED_GU     last of the three: only FINAL needs it. All three issue their
 #                 weights before waiting X_READY, so they stream during the
 #                 AR1 + seam chain
-#   ROUTE         per token, after every rank's router rows
+#   ROUTE_PART    per (token, part of the experts), after every rank's router
+#                 rows: the part's top-K keys
+#   ROUTE         per token: the top-K of its parts' (the merge)
 #   EXPERT_GU     token-major, then slot, then tile: ACT[0] completes first
 #   EXPERT_DOWN   token-major, AFTER every EXPERT_GU (not interleaved per token:
 #                 interleaving would leave CTAs idle at every token boundary,
@@ -475,6 +493,7 @@ class TaskKind(enum.IntEnum):
     M1C = 15
     SEAM_MIX = 16
     SEAM_NORM = 17
+    ROUTE_PART = 18
 
 
 class Flag(enum.IntEnum):
@@ -495,6 +514,7 @@ class Flag(enum.IntEnum):
     SPLITS = 12  # [1, 0 without M1C] the split outputs o / lse written (M1C)
     SCORED = 13  # [token]     seam partial sums written, every chunk
     MIXED = 14  # [token]      seam h and its partial squares written, every chunk
+    RANKED = 15  # [token]     route parts' top-K keys written, every part
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
@@ -835,6 +855,7 @@ _WRITES = {
         Write("z", True, (slice(None), _rank_cols(tb, t, r, tb.cfg.routed_expert_hidden_size)))
     ],
     TaskKind.SHARED_GU: lambda tb, t, r: [Write("shared_act", False, _all_rows(*t.span))],
+    TaskKind.ROUTE_PART: lambda tb, t, r: [Write("route_keys", False, (t.token, t.tile))],
     TaskKind.ROUTE: lambda tb, t, r: [Write("route_ids", False, (t.token,)), Write("route_w", False, (t.token,))],
     TaskKind.EXPERT_GU: lambda tb, t, r: [Write("expert_act", False, (t.token, t.slot, slice(*t.span)))],
     TaskKind.EXPERT_DOWN: lambda tb, t, r: [Write("ar2", True, (r, t.token, slice(*t.span)))],
@@ -891,6 +912,7 @@ class _Planner:
         self.oproj_tiles = tiles(H, geometry.oproj.rows)
         self.reduce1_tiles = tiles(H, self.reduce1_cols)
         self.seam_chunks = tiles(H, geometry.seam_cols)
+        self.route_parts = tiles(cfg.num_experts, geometry.route_chunk)
         self.router_tiles = tiles(cfg.num_experts // tp, geometry.router.rows)
         self.latent_tiles = tiles(cfg.routed_expert_hidden_size // tp, geometry.latent_down.rows)
         self.shared_tiles = tiles(cfg.shared_intermediate // tp, geometry.shared_gate_up.rows)
@@ -1004,10 +1026,17 @@ class _Planner:
     def shared_gate_up(self):
         self._x_gemv(TaskKind.SHARED_GU, self.shared_tiles, ["shared_gate", "shared_up"], Flag.SHARED_READY)
 
+    def route_part(self):
+        for token in range(self.S):
+            for part, lo, hi in self.route_parts:
+                self.add(TaskKind.ROUTE_PART, tile=part, span=(lo, hi), token=token,
+                         streams=self._vector_slices_once(token, ["router_bias"], lo, hi),
+                         waits=[_WaitSpec(Flag.LOGITS, 0, self.tp * len(self.router_tiles))],
+                         raises=[(Flag.RANKED, token)])
+
     def route(self):
         for token in range(self.S):
-            self.add(TaskKind.ROUTE, token=token, streams=self._vectors_once(token, ["router_bias"]),
-                     waits=[_WaitSpec(Flag.LOGITS, 0, self.tp * len(self.router_tiles))],
+            self.add(TaskKind.ROUTE, token=token, waits=[_WaitSpec(Flag.RANKED, token, len(self.route_parts))],
                      raises=[(Flag.ROUTED, token)])
 
     def expert_gate_up(self):
@@ -1061,9 +1090,9 @@ class _Planner:
 
     def in_table_order(self) -> list[_TaskSpec]:
         for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_score, self.seam_mix, self.seam_norm,
-                     self.router, self.latent_down,
-                     self.shared_gate_up, self.route, self.expert_gate_up, self.expert_down, self.prefetch_final,
-                     self.latent_norm, self.final, self.reduce3):
+                     self.router, self.latent_down, self.shared_gate_up, self.route_part, self.route,
+                     self.expert_gate_up, self.expert_down, self.prefetch_final, self.latent_norm, self.final,
+                     self.reduce3):
             step()
         return self.specs
 
@@ -1085,6 +1114,7 @@ class _Planner:
             Flag.SPLITS: 1 if self.m1c_blocks else 0,
             Flag.SCORED: per_token,
             Flag.MIXED: per_token,
+            Flag.RANKED: per_token,
         }
         return tuple((flag, slots[flag]) for flag in Flag)
 

@@ -20,7 +20,7 @@ Order of one run (tp.py's exchange order):
 
     oproj (every rank) -> exchange ar1 -> reduce_prefix -> attnres (score, mix, norm)
     -> router, latent_down, shared_gate_up -> exchange logits, z
-    -> route -> expert_gate_up -> expert_down -> exchange ar2
+    -> route (parts, merge) -> expert_gate_up -> expert_down -> exchange ar2
     -> latent_norm -> final_partial -> exchange ar3 -> final_reduce
 
 Shapes: S tokens, H hidden, E experts, K top-k, L latent, C core width, T ranks.
@@ -165,7 +165,8 @@ class StagedLayer:
         each_rank(
             "route",
             lambda r: launch_route(
-                peer[r]["logits"], w[r].router_bias, scratch[r]["route_ids"], scratch[r]["route_w"], geom, cfg
+                peer[r]["logits"], w[r].router_bias, scratch[r]["route_ids"], scratch[r]["route_w"],
+                scratch[r]["route_keys"], geom, cfg,
             ),
         )
         each_rank(

@@ -493,9 +493,11 @@ _SM90_CHECK = textwrap.dedent(
                  {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "norm_ptr": "*bf16", "eps": "fp32",
                   "out_ptr": "*bf16", "stride_os": "i32"},
                  dict(T=8, L=3584, VB=1024))
-    compile_sm90(route._route_kernel,
-                 {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32", "scaling": "fp32"},
-                 dict(E=896, K=16, E_PAD=1024))
+    compile_sm90(route._route_part_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "keys_ptr": "*i64"},
+                 dict(E=896, K=16, E_PAD=1024, RC=128))
+    compile_sm90(route._route_merge_kernel,
+                 {"logits_ptr": "*fp32", "keys_ptr": "*i64", "ids_ptr": "*i32", "weights_ptr": "*fp32", "scaling": "fp32"},
+                 dict(E=896, K=16, E_PAD=1024, RC=128))
     compile_sm90(reduce._reduce_prefix_kernel,
                  {"ar1_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "prefix_ptr": "*bf16", "stride_ps": "i32"},
                  dict(T=8, H=7168, VB=1024))

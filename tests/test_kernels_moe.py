@@ -49,6 +49,7 @@ import zlib
 
 import pytest
 import torch
+import triton
 
 from k3mono import mxfp4
 from k3mono.config import preset
@@ -174,11 +175,18 @@ def test_dequant_every_scale_byte_exact(dequant):
 # -- route -----------------------------------------------------------------------------
 
 
+def route_keys(cfg, geom) -> torch.Tensor:
+    """The route parts' keys (layout.scratch_layout's route_keys), poisoned."""
+    parts = -(-cfg.num_experts // geom.route_chunk)
+    return torch.full((geom.tokens, parts, triton.next_power_of_2(cfg.num_experts_per_token)), -1, dtype=torch.int64)
+
+
 def run_route(cfg, logits, bias):
     S, K = logits.shape[0], cfg.num_experts_per_token
     ids_flat, ids = poisoned((S, K), torch.int32, -1)
     w_flat, w = poisoned((S, K), torch.float32, NAN)
-    launch_route(logits, bias, ids, w, stage_geometry(cfg, 1, S), cfg)
+    geom = stage_geometry(cfg, 1, S)
+    launch_route(logits, bias, ids, w, route_keys(cfg, geom), geom, cfg)
     assert_guards(ids_flat, -1, "route_ids")
     assert_guards(w_flat, NAN, "route_w")
     return ids, w
@@ -400,7 +408,11 @@ def test_expert_launchers_check_their_inputs():
     with pytest.raises(K3InputError, match="w2_scale"):
         launch_expert_down(act, ids, torch.zeros(S, K), w.w2_packed, w.w1_scale, torch.zeros(S, L), geom, cfg)
     with pytest.raises(K3InputError, match="route_ids"):
-        launch_route(torch.zeros(S, cfg.num_experts), w.router_bias, ids.long(), torch.zeros(S, K), geom, cfg)
+        launch_route(torch.zeros(S, cfg.num_experts), w.router_bias, ids.long(), torch.zeros(S, K), route_keys(cfg, geom),
+                     geom, cfg)
+    with pytest.raises(K3InputError, match="route_keys"):
+        launch_route(torch.zeros(S, cfg.num_experts), w.router_bias, ids, torch.zeros(S, K),
+                     route_keys(cfg, geom)[:, 1:], geom, cfg)
 
 
 _SM90_BUILDS = textwrap.dedent(

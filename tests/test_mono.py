@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 from k3mono.config import preset
 from k3mono.errors import K3InputError
@@ -238,6 +239,7 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
         "x": (k["X_B"] * 2, S * H * 2),
         "route_ids": (k["IDS_I"] * 4, S * K * 4),
         "route_w": (k["RW_F"] * 4, S * K * 4),
+        "route_keys": (k["RK_I"] * 4, S * -(-E // k["RC"]) * triton.next_power_of_2(K) * 8),
         "expert_act": (k["ACT_B"] * 2, S * K * I_R * 2),
         "latent": (k["LAT_B"] * 2, S * L * 2),
         "shared_act": (k["SACT_B"] * 2, S * SI_R * 2),

@@ -56,6 +56,7 @@ KIND_ORDER = [
     TaskKind.ROUTER,
     TaskKind.LATENT_DOWN,
     TaskKind.SHARED_GU,
+    TaskKind.ROUTE_PART,
     TaskKind.ROUTE,
     TaskKind.EXPERT_GU,
     TaskKind.EXPERT_DOWN,

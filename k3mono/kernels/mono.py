@@ -23,7 +23,7 @@ Per task:
    core settles; otherwise its weights stream at once); M1C has no wait; M1B
    has none either, or, where M1C runs first, one for every M1C task (its w_v
    tile is not read before it: a few KB, next to the cache M1C streams);
-   REDUCE*, SEAM_*, ROUTE and LATENT_NORM read activations only (their small
+   REDUCE*, SEAM_*, ROUTE* and LATENT_NORM read activations only (their small
    norm vectors are not prefetched). The stage task functions load x and w
    in one loop, so what is prefetched is an L2 warm-up, not registers kept
    across the wait;
@@ -75,7 +75,7 @@ from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
 from .oproj import oproj_task
 from .reduce import final_reduce_chunk, reduce_prefix_chunk
-from .route import route_task
+from .route import route_merge_task, route_part_task
 from .router import router_task
 from .shared import shared_gate_up_task
 from .sync import H_SINK, poll_once, raise_counter, reached, wait_counter
@@ -99,6 +99,7 @@ K_NOP = tl.constexpr(14)
 K_M1C = tl.constexpr(15)
 K_SEAM_MIX = tl.constexpr(16)
 K_SEAM_NORM = tl.constexpr(17)
+K_ROUTE_PART = tl.constexpr(18)
 
 # int table columns (planner.TABLE_COLUMNS)
 C_KIND = tl.constexpr(0)
@@ -489,6 +490,7 @@ def _mono_kernel(
     E: tl.constexpr,
     E_R: tl.constexpr,
     E_PAD: tl.constexpr,
+    RC: tl.constexpr,  # experts a route part sorts
     KTOP: tl.constexpr,
     L: tl.constexpr,
     L_R: tl.constexpr,
@@ -538,6 +540,7 @@ def _mono_kernel(
     X_B: tl.constexpr,
     IDS_I: tl.constexpr,
     RW_F: tl.constexpr,
+    RK_I: tl.constexpr,  # route_keys (int64) as int32 elements
     ACT_B: tl.constexpr,
     LAT_B: tl.constexpr,
     SACT_B: tl.constexpr,
@@ -578,6 +581,7 @@ def _mono_kernel(
     flags = own_i32 + FLAG_I
     x_ptr = sc_bf16 + X_B
     ids_ptr = sc_i32 + IDS_I
+    keys_ptr = (sc_i32 + RK_I).to(tl.pointer_type(tl.int64))
     rw_ptr = sc_f32 + RW_F
     act_ptr = sc_bf16 + ACT_B
     lat_ptr = sc_bf16 + LAT_B
@@ -691,8 +695,11 @@ def _mono_kernel(
                 shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
                 raise_counter(flags + rword, SCOPE)
+            elif kind == K_ROUTE_PART:
+                route_part_task(token, tile, own_f32 + pf + LOG_F, bias_ptr, keys_ptr, E, KTOP, E_PAD, RC)
+                raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTE:
-                route_task(token, own_f32 + pf + LOG_F, bias_ptr, ids_ptr, rw_ptr, scaling, E, KTOP, E_PAD)
+                route_merge_task(token, own_f32 + pf + LOG_F, keys_ptr, ids_ptr, rw_ptr, scaling, E, KTOP, E_PAD, RC)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_GU:
                 gu_task = (token * KTOP + slot) * tl.cdiv(I_R, GU_ROWS) + tile

@@ -1,6 +1,7 @@
 """Stage: route (top-K expert selection per token), after AG1.
 
-Shapes: S tokens, E experts (EP = next power of two), K experts per token.
+Shapes: S tokens, E experts (E_PAD = next power of two), K experts per token
+(K_PAD = next power of two), RC = geom.route_chunk experts a part, P = ceil(E / RC).
 
     sc      = sigmoid(logits)                                  [S, E] fp32
     chosen  = the K largest of sc + bias, ties to the lower id (bias only selects)
@@ -10,19 +11,21 @@ Shapes: S tokens, E experts (EP = next power of two), K experts per token.
 Equal to reference.stages.select_experts / route: a stable descending sort
 takes the lower id among equal scores, and so does the packed key below.
 
-One task per token. Each expert's biased score becomes one int64 key: the
-score's fp32 bits made order-preserving as a signed int32 (negative values
-have their magnitude bits flipped) in the high half, E_PAD - 1 - id in the
-low half, so keys are distinct, order by score, and among equal scores the
-lower id has the larger key. ``tl.topk`` (a bitonic top-K) returns the K_PAD
-largest keys; the first K hold the chosen ids, which ``tl.sort`` puts in
-ascending order (padding slots hold E_PAD and sort last). The weights read
-the chosen experts' logits again (one cached load of K values). Beside K
-rounds of block-wide argmax this is about two thirds of the instructions and
-a sixth of the barriers (sm_90a build, E = 896, K = 16: 2192 instructions and
-9 barriers against 3368 and 56), on the path from the router to the experts.
-A biased score is never -0 (sigmoid > 0 and x + y is -0 only for two -0s),
-so +0 and -0 never tie in the float order while differing in the key.
+Two steps. Each expert's biased score becomes one int64 key: the score's fp32
+bits made order-preserving as a signed int32 (negative values have their
+magnitude bits flipped) in the high half, E_PAD - 1 - id in the low half, so
+keys are distinct, order by score, and among equal scores the lower id has the
+larger key. ``route_part_task`` (token, part): ``tl.topk`` (a bitonic top-K)
+keeps the K_PAD largest keys of RC experts; ``route_merge_task`` (token): the
+K_PAD largest of every part's, whose first K hold the chosen ids (distinct keys:
+the largest of a union are the largest of its parts' largest), which ``tl.sort``
+puts in ascending order (padding slots hold E_PAD and sort last). The weights
+read the chosen experts' logits again (one cached load of K values). A sort of
+RC = 128 keys a CTA instead of all 1024 in one (E = 896): the one-CTA route
+took 8 to 14 us of the mono launch at S = 1 (its trace), against 4.4 for the
+staged kernel, on the path from the router to the experts. A biased score is
+never -0 (sigmoid > 0 and x + y is -0 only for two -0s), so +0 and -0 never
+tie in the float order while differing in the key.
 Every rank routes the same gathered logits, so every rank gets the same ids.
 """
 
@@ -40,6 +43,7 @@ ID_BITS = tl.constexpr(32)  # a key's low half holds E_PAD - 1 - id
 ID_MASK = tl.constexpr(0xFFFFFFFF)
 MAGNITUDE_BITS = tl.constexpr(0x7FFFFFFF)
 SIGN_SPREAD = tl.constexpr(31)  # arithmetic shift: all ones for a negative fp32, zeros otherwise
+KEY_FLOOR = tl.constexpr(-(2**63))  # below every key: pads the merge's candidates
 
 
 @triton.jit
@@ -50,30 +54,62 @@ def ordered_bits(x):
 
 
 @triton.jit
-def route_task(
+def _expert_keys(
+    experts,  # [n] int32 expert ids (E and above: padding)
+    logits,  # fp32 *: the token's [E] logits
+    bias_ptr,  # fp32 [E]
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    """int64 keys of ``experts``: score order, then the lower id; padding at -inf."""
+    real = experts < E
+    scores = sigmoid(tl.load(logits + experts, mask=real, other=0.0))
+    bias = tl.load(bias_ptr + experts, mask=real, other=0.0)
+    candidates = tl.where(real, scores + bias, -float("inf"))  # padding below every real candidate (K <= E)
+    return (ordered_bits(candidates).to(tl.int64) << ID_BITS) | (E_PAD - 1 - experts).to(tl.int64)
+
+
+@triton.jit
+def route_part_task(
     token,
+    part,
     logits_ptr,  # fp32 [S, E]
     bias_ptr,  # fp32 [E]
+    keys_ptr,  # int64 [S, P, K_PAD] out: each part's largest keys, descending
+    E: tl.constexpr,
+    K: tl.constexpr,
+    E_PAD: tl.constexpr,  # next power of two >= E
+    RC: tl.constexpr,  # experts a part covers (planner.route_chunk)
+):
+    K_PAD: tl.constexpr = triton.next_power_of_2(K)  # tl.topk takes a power of two
+    P: tl.constexpr = triton.cdiv(E, RC)
+    keys = _expert_keys(part * RC + tl.arange(0, RC), logits_ptr + token * E, bias_ptr, E, E_PAD)
+    tl.store(keys_ptr + (token * P + part) * K_PAD + tl.arange(0, K_PAD), tl.topk(keys, K_PAD))
+
+
+@triton.jit
+def route_merge_task(
+    token,
+    logits_ptr,  # fp32 [S, E]
+    keys_ptr,  # int64 [S, P, K_PAD]: every route_part_task of the token
     ids_ptr,  # int32 [S, K] out, ascending per token
     weights_ptr,  # fp32 [S, K] out, ids order
     scaling,  # fp32 routed_scaling_factor
     E: tl.constexpr,
     K: tl.constexpr,
-    E_PAD: tl.constexpr,  # next power of two >= E
+    E_PAD: tl.constexpr,
+    RC: tl.constexpr,
 ):
-    K_PAD: tl.constexpr = triton.next_power_of_2(K)  # tl.topk takes a power of two
-    experts = tl.arange(0, E_PAD)
-    real = experts < E
-    logits = logits_ptr + token * E
-    scores = sigmoid(tl.load(logits + experts, mask=real, other=0.0))
-    bias = tl.load(bias_ptr + experts, mask=real, other=0.0)
-    # Padding sits at -inf: below every real candidate (K <= E).
-    candidates = tl.where(real, scores + bias, -float("inf"))
-    keys = (ordered_bits(candidates).to(tl.int64) << ID_BITS) | (E_PAD - 1 - experts).to(tl.int64)
+    K_PAD: tl.constexpr = triton.next_power_of_2(K)
+    P: tl.constexpr = triton.cdiv(E, RC)
+    N: tl.constexpr = triton.next_power_of_2(P * K_PAD)
+    n = tl.arange(0, N)
+    keys = tl.load(keys_ptr + token * (P * K_PAD) + n, mask=n < P * K_PAD, other=KEY_FLOOR)
     top = tl.topk(keys, K_PAD)  # descending
     slot = tl.arange(0, K_PAD)
     live = slot < K
     ids = tl.sort(tl.where(live, (E_PAD - 1) - (top & ID_MASK).to(tl.int32), E_PAD))
+    logits = logits_ptr + token * E
     chosen = sigmoid(tl.load(logits + ids, mask=live, other=0.0))
     total = tl.sum(tl.where(live, chosen, 0.0), axis=0)
     weights = chosen / (total + RENORM_EPS) * scaling
@@ -82,37 +118,48 @@ def route_task(
 
 
 @triton.jit
-def _route_kernel(
+def _route_part_kernel(
     logits_ptr,  # fp32 [S, E]
     bias_ptr,  # fp32 [E]
+    keys_ptr,  # int64 [S, P, K_PAD] out
+    E: tl.constexpr,
+    K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RC: tl.constexpr,
+):
+    route_part_task(tl.program_id(0), tl.program_id(1), logits_ptr, bias_ptr, keys_ptr, E, K, E_PAD, RC)
+
+
+@triton.jit
+def _route_merge_kernel(
+    logits_ptr,  # fp32 [S, E]
+    keys_ptr,  # int64 [S, P, K_PAD]
     ids_ptr,  # int32 [S, K] out
     weights_ptr,  # fp32 [S, K] out
     scaling,  # fp32
     E: tl.constexpr,
     K: tl.constexpr,
     E_PAD: tl.constexpr,
+    RC: tl.constexpr,
 ):
-    route_task(tl.program_id(0), logits_ptr, bias_ptr, ids_ptr, weights_ptr, scaling, E, K, E_PAD)
+    route_merge_task(tl.program_id(0), logits_ptr, keys_ptr, ids_ptr, weights_ptr, scaling, E, K, E_PAD, RC)
 
 
-def launch_route(logits, bias, route_ids, route_w, geom, cfg) -> None:
-    """logits [S, E] fp32, bias [E] fp32 -> route_ids [S, K] int32, route_w [S, K] fp32."""
+def launch_route(logits, bias, route_ids, route_w, route_keys, geom, cfg) -> None:
+    """logits [S, E] fp32, bias [E] fp32 -> route_ids [S, K] int32, route_w [S, K] fp32;
+    route_keys [S, P, K_PAD] int64 the parts' keys (layout.scratch_layout). Two
+    launches: a program per (token, part), then one per token."""
     S, E, K = geom.tokens, cfg.num_experts, cfg.num_experts_per_token
+    parts = triton.cdiv(E, geom.route_chunk)
     expect_tensor("logits", logits, (S, E), torch.float32)
     expect_tensor("router_bias", bias, (E,), torch.float32)
     expect_tensor("route_ids", route_ids, (S, K), torch.int32)
     expect_tensor("route_w", route_w, (S, K), torch.float32)
-    for name, t in (("logits", logits), ("router_bias", bias), ("route_ids", route_ids), ("route_w", route_w)):
+    expect_tensor("route_keys", route_keys, (S, parts, triton.next_power_of_2(K)), torch.int64)
+    for name, t in (("logits", logits), ("router_bias", bias), ("route_ids", route_ids), ("route_w", route_w),
+                    ("route_keys", route_keys)):
         if not t.is_contiguous():
             raise ValueError(f"launch_route: {name} must be contiguous")
-    _route_kernel[(S,)](
-        logits,
-        bias,
-        route_ids,
-        route_w,
-        float(cfg.routed_scaling_factor),
-        E=E,
-        K=K,
-        E_PAD=triton.next_power_of_2(E),
-        num_warps=geom.vector_warps,
-    )
+    shape = dict(E=E, K=K, E_PAD=triton.next_power_of_2(E), RC=geom.route_chunk, num_warps=geom.vector_warps)
+    _route_part_kernel[(S, parts)](logits, bias, route_keys, **shape)
+    _route_merge_kernel[(S,)](logits, route_keys, route_ids, route_w, float(cfg.routed_scaling_factor), **shape)
