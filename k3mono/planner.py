@@ -125,7 +125,9 @@ EXPERT_LOOKAHEAD = False
 """An MXFP4 expert loop loads step i + 1 into registers before it runs step i's
 math (GemvTile.lookahead): each thread then keeps two steps of weights in flight
 instead of one, for the mono launch's few resident warps an SM (the trace had a
-100 KB expert task at 16 us, one memory round trip and its math a step)."""
+100 KB expert task at 16 us, one memory round trip and its math a step). Off here
+(the staged path: its S = 8 lost 11 us with it, docs/PERF.md); the mono launch's
+default turns it on (mono.DEFAULT_TILES). Same bits either way."""
 
 
 @dataclass(frozen=True)
