@@ -682,3 +682,29 @@ def test_router_rows_set_the_router_tasks_over_the_same_step_bytes(rows):
     assert plan(cfg, 8, 8, 132, options).geometry.router == plan(cfg, 8, 8, 132).geometry.router
     with pytest.raises(K3InputError, match="router_rows"):
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(router_rows=3)))
+
+
+@pytest.mark.parametrize("name,chunks,parts", [("kimi-k3", 14, 7), ("tiny", 4, 4), ("small", 4, 4)])
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_seam_and_route_spread_each_token_over_ctas(name, chunks, parts, tokens):
+    """The seam's three steps are a task per (token, chunk of H), the route's first
+    step a task per (token, part of the experts); each next step waits for all of
+    its own token's tasks and no other's (the small presets too have several)."""
+    table = table_for(name, 1, tokens)
+    by_kind = {}
+    for task in table.tasks:
+        by_kind.setdefault(task.kind, []).append(task)
+    for kind in (TaskKind.SEAM_SCORE, TaskKind.SEAM_MIX, TaskKind.SEAM_NORM):
+        assert len(by_kind[kind]) == tokens * chunks
+        assert {t.span for t in by_kind[kind] if t.token == 0} == {
+            (lo, min(lo + table.geometry.seam_cols, table.cfg.hidden_size))
+            for lo in range(0, table.cfg.hidden_size, table.geometry.seam_cols)}
+    assert len(by_kind[TaskKind.ROUTE_PART]) == tokens * parts and len(by_kind[TaskKind.ROUTE]) == tokens
+    for step, flag, producers in ((TaskKind.SEAM_MIX, Flag.SCORED, chunks), (TaskKind.SEAM_NORM, Flag.MIXED, chunks),
+                                  (TaskKind.ROUTE, Flag.RANKED, parts)):
+        for task in by_kind[step]:
+            (wait,) = task.waits
+            assert (wait.flag, wait.index, wait.count) == (flag, task.token, producers)
+            assert {table.tasks[s].token for s in wait.sources} == {task.token}
+    x_written = by_kind[TaskKind.ROUTER][0].waits[0]
+    assert (x_written.flag, x_written.count) == (Flag.X_READY, tokens * chunks)
