@@ -69,10 +69,10 @@ LOOP_UNROLL = tl.constexpr(1)
 
 @triton.jit
 def _gate_up_loads(
-    w1,  # u8 *: expert row 0 of w1 [I_R, L/2]
-    w1_scale,  # u8 *: [I_R, L/32]
-    w3,
-    w3_scale,
+    w1,  # u8 [I_R, L/2]: the expert's w1
+    w1_scale,  # u8 [I_R, L/32]
+    w3,  # u8 [I_R, L/2]: the expert's w3
+    w3_scale,  # u8 [I_R, L/32]
     g0,  # the step's first group (none loads past G_ROW: a lookahead's last step is free)
     rows,  # [ROWS] int32
     row_ok,
