@@ -48,7 +48,8 @@ regions out of one 128-byte cache line, so a writer of one never invalidates
 a reader of the other."""
 
 PEER_REGIONS = ("ar1", "logits", "z", "ar2", "ar3")
-SCRATCH_REGIONS = ("x", "route_ids", "route_w", "route_keys", "expert_act", "latent", "shared_act", "seam_part", "seam_h", "seam_hsq")
+SCRATCH_REGIONS = ("x", "route_ids", "route_w", "route_keys", "expert_act", "latent", "shared_act", "seam_part",
+                   "seam_h", "seam_hsq")
 
 
 def _aligned(nbytes: int) -> int:

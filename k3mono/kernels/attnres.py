@@ -87,7 +87,8 @@ def seam_score_task(
     CH: tl.constexpr = triton.cdiv(H, SC)
     cand = tl.arange(0, CANDS)
     cols, m = _chunk_cols(chunk, H, SC)
-    q = as_f32(tl.load(ares_norm_ptr + cols, mask=m, other=0.0)) * as_f32(tl.load(ares_proj_ptr + cols, mask=m, other=0.0))
+    norm = as_f32(tl.load(ares_norm_ptr + cols, mask=m, other=0.0))
+    q = norm * as_f32(tl.load(ares_proj_ptr + cols, mask=m, other=0.0))
     sumsq = tl.zeros([CANDS], dtype=tl.float32)
     qdot = tl.zeros([CANDS], dtype=tl.float32)
     for i in tl.static_range(CANDS):
