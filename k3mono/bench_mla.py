@@ -217,20 +217,29 @@ def m1b_inputs(cfg, tokens: int, tp: int, device, seed: int) -> dict:
     return dict(o=o, lse=lse, w_v=w_v.to(torch.bfloat16), w_v_scale=1.0, gate=gate.to(torch.bfloat16))
 
 
-def m1b_runners(cfg, tp: int, tokens: int, weight_sets: list, layer: int) -> list:
+def fold_shape():
+    """The M1b shape of the fold's timings: FOLD_SPLITS splits of the latent."""
+    from .planner import M1bShape
+
+    return M1bShape(splits=FOLD_SPLITS, latent=LATENT_DIM)
+
+
+def m1b_runners(cfg, tp: int, tokens: int, weight_sets: list, layer: int, options=None, **runner_options) -> list:
     """One loopback MonoRunner with M1b folded in per weight set (every rank shares
-    rank 0's tensors), its inputs loaded: rank 0's launch is ready to replay."""
+    rank 0's tensors), its inputs loaded: rank 0's launch is ready to replay.
+    options: MonoOptions with m1b set (default: the mono defaults, fold_shape());
+    runner_options: MonoRunner's other keywords (trace, prefetch)."""
     import dataclasses
 
     from .mono import MonoRunner, default_options
-    from .planner import M1bShape
     from .synthetic import random_inputs
 
-    options = default_options(m1b=M1bShape(splits=FOLD_SPLITS, latent=LATENT_DIM))
+    options = options or default_options(m1b=fold_shape())
     runners = []
     for seed, shard in enumerate(weight_sets):
         device = shard.o_proj.device
-        runner = MonoRunner(cfg, [dataclasses.replace(shard, rank=r) for r in range(tp)], tokens, layer, options=options)
+        runner = MonoRunner(cfg, [dataclasses.replace(shard, rank=r) for r in range(tp)], tokens, layer,
+                            options=options, **runner_options)
         inputs = {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=1000 + seed).items()}
         m1b = m1b_inputs(cfg, tokens, tp, device, seed)
         runner.load_mla_inputs([m1b] * tp, inputs["prefix"], inputs["blocks"])
@@ -238,12 +247,12 @@ def m1b_runners(cfg, tp: int, tokens: int, weight_sets: list, layer: int) -> lis
     return runners
 
 
-def time_mono_m1b(cfg, tp: int, tokens: int, weight_sets: list, layer: int) -> float:
+def time_mono_m1b(cfg, tp: int, tokens: int, weight_sets: list, layer: int, **runner_options) -> float:
     """Seconds per launch of rank 0 with M1b folded in, replays rotated over the
-    weight sets as bench.time_mono does for the plain launch."""
+    weight sets as bench.time_mono does for the plain launch (runner_options: m1b_runners')."""
     from .timing import time_graph
 
-    runners = m1b_runners(cfg, tp, tokens, weight_sets, layer)
+    runners = m1b_runners(cfg, tp, tokens, weight_sets, layer, **runner_options)
     seconds = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
     torch.cuda.synchronize()
     for runner in runners:

@@ -55,6 +55,8 @@ def weight_bytes(cfg: K3Config, tp: int, unique_experts: int, m1b: M1bShape | No
         nbytes = _tensor_bytes(shape, dtype)
         if name in EXPERT_TENSORS:
             nbytes = nbytes // cfg.num_experts * unique_experts
+        if name == "latent_norm":  # replicated; a rank normalises its L/T columns only
+            nbytes //= tp
         out[name] = nbytes
     if m1b is not None:  # w_v [heads/T, v_head_dim, DL]
         out["w_v"] = cfg.num_attention_heads // tp * cfg.v_head_dim * m1b.latent * (1 if m1b.w_v_fp8 else BF16_BYTES)

@@ -15,7 +15,7 @@ Scratch of a rank (only that rank reads and writes it):
     route_w    [S, K]        fp32   renormalised sigmoid scores, route_ids order
     route_keys [S, P, K_PAD] int64  each route part's top-K keys (kernels/route.py)
     expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
-    latent     [S, L]        bf16   rms(bf16(sum of AR2), routed_expert_norm)
+    latent     [S, L/T]      bf16   the rank's columns of rms(bf16(sum of AR2), routed_expert_norm)
     shared_act [S, SI/T]     bf16   situ of the shared experts, this rank's slice
     seam_part  [S, CH, 2, CP] fp32  the AttnRes seam's per-chunk sums of V^2 and V . q
     seam_h     [S, H]        bf16   the seam's mix h, before its norm
@@ -94,7 +94,7 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
         "route_w": ((S, K), torch.float32),
         "route_keys": ((S, -(-E // route_chunk(E, K)), next_pow2(K)), torch.int64),
         "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
-        "latent": ((S, L), torch.bfloat16),
+        "latent": ((S, L // tp), torch.bfloat16),
         "shared_act": ((S, cfg.shared_intermediate // tp), torch.bfloat16),
         "seam_part": ((S, chunks, 2, seam_candidates_max(cfg)), torch.float32),
         "seam_h": ((S, H), torch.bfloat16),

@@ -932,11 +932,12 @@ class MonoRunner:
 
     def _prewrite(self, core, prefix, blocks) -> None:
         """Every rank's buffer gets the other ranks' pushes of this input (a staged
-        run), in both parities; its own slots / columns are poisoned (NaN)."""
+        run at the launch's tiles: the bits the other ranks' launches would push),
+        in both parities; its own slots / columns are poisoned (NaN)."""
         from .staged import StagedLayer
 
         if self._staged is None:
-            self._staged = StagedLayer(self.cfg, self.shards, self.tokens, self.layer)
+            self._staged = StagedLayer(self.cfg, self.shards, self.tokens, self.layer, tiles=self.key.tiles)
         self._staged.load_inputs(core, prefix, blocks)
         self._staged.run()
         T = self.tp

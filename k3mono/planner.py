@@ -112,6 +112,17 @@ def route_chunk(num_experts: int, top_k: int) -> int:
     return max(next_pow2(top_k), min(ROUTE_CHUNK, next_pow2(num_experts) // ROUTE_MIN_PARTS))
 
 
+HIDDEN_ROWS = 8
+HIDDEN_ROWS_CHOICES = (8, 16, 32)
+"""Rows of an o_proj or a FINAL task (TileChoice.oproj_rows, final_rows): the
+two stages whose outputs are all H = 7168 rows. At 8 rows (FMA_TILE) S = 1 has
+896 tasks of each for the mono launch's 264 CTAs, 3.1 to 3.4 us a task of
+which one or two steps are weight loads (the trace at 517679f): the rest is
+what every task pays (its ticket, its table row, the push and the raise). 16
+or 32 rows spread the same bytes over 2x or 4x fewer tasks, the step (in KB)
+unchanged, so K is taken in more, narrower steps; on the tl.dot path (16 rows
+at least) likewise from 16."""
+
 EXPERT_ROWS = 32
 EXPERT_ROWS_CHOICES = (8, 16, 32)
 """Output rows of an MXFP4 expert task. At 32, S = 1 at TP8 has 192 gate/up
@@ -133,17 +144,22 @@ default turns it on (mono.DEFAULT_TILES). Same bits either way."""
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS and
-    EXPERT_LOOKAHEAD)."""
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS,
+    EXPERT_LOOKAHEAD and HIDDEN_ROWS)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     expert_rows: int = EXPERT_ROWS
     router_rows: int = ROUTER_ROWS
     expert_lookahead: bool = EXPERT_LOOKAHEAD
+    oproj_rows: int = HIDDEN_ROWS
+    final_rows: int = HIDDEN_ROWS
 
     def check(self) -> None:
         if self.dense_step_kb not in DENSE_STEP_KB_CHOICES:
             raise K3InputError(f"tiles.dense_step_kb: expected one of {DENSE_STEP_KB_CHOICES}, got {self.dense_step_kb!r}")
+        for name in ("oproj_rows", "final_rows"):
+            if getattr(self, name) not in HIDDEN_ROWS_CHOICES:
+                raise K3InputError(f"tiles.{name}: expected one of {HIDDEN_ROWS_CHOICES}, got {getattr(self, name)!r}")
         if self.expert_rows not in EXPERT_ROWS_CHOICES:
             raise K3InputError(f"tiles.expert_rows: expected one of {EXPERT_ROWS_CHOICES}, got {self.expert_rows!r}")
         if self.router_rows not in ROUTER_ROWS_CHOICES:
@@ -344,14 +360,16 @@ def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4, lo
                     lookahead=lookahead)
 
 
-def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int, fma_rows: int = FMA_TILE[0]) -> GemvTile:
+def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int, fma_rows: int = FMA_TILE[0],
+           dot_rows: int = DOT_TILE[0]) -> GemvTile:
     """A dense bf16 GEMV tile for the path ``use_dot`` selects, its step widened
-    along K to ``step_kb`` KB of weight; on the FMA path ``fma_rows`` rows a task,
-    the step as much longer along K as it has fewer rows (the same bytes a step)."""
+    along K to ``step_kb`` KB of weight; ``fma_rows`` (FMA path) or ``dot_rows``
+    (tl.dot path) rows a task, the step as much shorter along K as it has more
+    rows than FMA_TILE or DOT_TILE (the same bytes a step)."""
     widen = step_kb // DENSE_STEP_KB
     if not use_dot:
         return _gemv(fma_rows, out_dim, in_dim, FMA_TILE[1] * widen * FMA_TILE[0] // fma_rows)
-    tile = _gemv(DOT_TILE[0], out_dim, in_dim, DOT_TILE[1] * widen)
+    tile = _gemv(dot_rows, out_dim, in_dim, DOT_TILE[1] * widen * DOT_TILE[0] // dot_rows)
     return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
 
 
@@ -368,11 +386,11 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
-        oproj=_dense(H, C // tp, use_dot, step_kb),
+        oproj=_dense(H, C // tp, use_dot, step_kb, tiles.oproj_rows, max(DOT_TILE[0], tiles.oproj_rows)),
         router=_dense(E // tp, H, use_dot, step_kb, tiles.router_rows),
         latent_down=_dense(L // tp, H, use_dot, step_kb),
         shared_gate_up=_dense(SI // tp, H, use_dot, step_kb),
-        final=_dense(H, max(L, SI) // tp, use_dot, step_kb),
+        final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows, max(DOT_TILE[0], tiles.final_rows)),
         # MXFP4 tiles [groups, rows] (kernels/experts.py): 16 groups put 16 lanes on
         # consecutive 16-byte groups of a row and the 4 warps on rows, so each
         # thread keeps one group column over rows / 8 rows and reuses its
@@ -1071,7 +1089,9 @@ class _Planner:
 
     def latent_norm(self):
         for token in range(self.S):
-            self.add(TaskKind.LATENT_NORM, token=token, streams=self._vectors_once(token, ["latent_norm"]),
+            # the norm vector's rank columns only (kernels/latent_norm.py)
+            streams = self._vector_slices_once(token, ["latent_norm"], 0, self.cfg.routed_expert_hidden_size // self.tp)
+            self.add(TaskKind.LATENT_NORM, token=token, streams=streams,
                      waits=[_WaitSpec(Flag.AR2, token, self.tp * len(self.down_tiles))],
                      raises=[(Flag.LATENT_READY, 0)])
 

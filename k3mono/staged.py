@@ -186,12 +186,13 @@ class StagedLayer:
         out.append(("exchange ar2", lambda: self._exchange_slot("ar2")))
         each_rank(
             "latent_norm",
-            lambda r: launch_latent_norm(peer[r]["ar2"], w[r].latent_norm, cfg.rms_norm_eps, scratch[r]["latent"], geom),
+            lambda r: launch_latent_norm(peer[r]["ar2"], w[r].latent_norm, cfg.rms_norm_eps, scratch[r]["latent"], r,
+                                         geom),
         )
         each_rank(
             "final_partial",
             lambda r: launch_final_partial(
-                scratch[r]["latent"], r, w[r].latent_up, scratch[r]["shared_act"], w[r].shared_down, peer[r]["ar3"][r], geom
+                scratch[r]["latent"], w[r].latent_up, scratch[r]["shared_act"], w[r].shared_down, peer[r]["ar3"][r], geom
             ),
         )
         out.append(("exchange ar3", lambda: self._exchange_slot("ar3")))

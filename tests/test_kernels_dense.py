@@ -270,9 +270,8 @@ def test_reduces_add_in_rank_order():
     assert_exact(prefix, st.prefix_add(BF16, prefix_in, BF16.round(combine("sum", list(parts)))), "prefix")
 
     parts = order_sensitive_partials(tp, (S, L), seed=3)
-    latent = poisoned((S, L), torch.bfloat16)
     norm = layer_weights("tiny").latent_norm
-    launch_latent_norm(dev(parts), dev(norm), cfg.rms_norm_eps, latent, geom)
+    latent = every_rank_latent(parts, norm, cfg.rms_norm_eps, geom)
     want = st.latent_norm(BF16, combine("sum", list(parts)), norm, cfg.rms_norm_eps)
     assert_rounded(latent, want, "latent", CHAINED_ULPS)
     # the order matters at all for these inputs:
@@ -375,6 +374,18 @@ def test_shared_gate_up(case):
 # -- AR2 + latent norm, and the AR3 operand ------------------------------------------------
 
 
+def every_rank_latent(parts, norm, eps, geom):
+    """[S, L]: each rank's latent norm launch (its L/T columns, into poisoned
+    outputs) side by side: every column written once, by its rank."""
+    tp, S, L = parts.shape
+    slices = []
+    for rank in range(tp):
+        latent_r = poisoned((S, L // tp), torch.bfloat16)
+        launch_latent_norm(dev(parts), dev(norm), eps, latent_r, rank, geom)
+        slices.append(latent_r)
+    return torch.cat(slices, dim=1)
+
+
 @pytest.mark.parametrize("case", cases() + [("small", 16, 3, "planned")], ids=case_id)
 def test_latent_norm(case):
     name, tp, S, geo = case
@@ -382,8 +393,7 @@ def test_latent_norm(case):
     w = layer_weights(name)
     geom = GEOMETRIES[geo](stage_geometry(cfg, tp, S))
     parts = partials((tp, S, cfg.routed_expert_hidden_size), seed=70 + S)
-    latent = poisoned((S, cfg.routed_expert_hidden_size), torch.bfloat16)
-    launch_latent_norm(dev(parts), dev(w.latent_norm), cfg.rms_norm_eps, latent, geom)
+    latent = every_rank_latent(parts, w.latent_norm, cfg.rms_norm_eps, geom)
     want = st.latent_norm(BF16, combine("sum", list(parts)), w.latent_norm, cfg.rms_norm_eps)
     assert_rounded(latent, want, "latent", CHAINED_ULPS)
 
@@ -397,8 +407,8 @@ def test_final_partial(case):
     latent = activations((S, cfg.routed_expert_hidden_size), seed=80 + S)
     act = activations((S, cfg.shared_intermediate // tp), seed=81 + S)
     ar3 = poisoned((tp, S, cfg.hidden_size), torch.float32)
-    launch_final_partial(dev(latent), rank, dev(w.latent_up), dev(act), dev(w.shared_down), ar3[rank], geom)
     lat = latent_slice(latent, tp, rank)
+    launch_final_partial(dev(lat), dev(w.latent_up), dev(act), dev(w.shared_down), ar3[rank], geom)
     want = st.linear(BF16, lat, w.latent_up) + st.linear(BF16, act, w.shared_down)
     scale = abs_scale(lat, w.latent_up) + abs_scale(act, w.shared_down)
     assert_partial(ar3[rank], want, scale, "AR3 partial")

@@ -241,7 +241,7 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
         "route_w": (k["RW_F"] * 4, S * K * 4),
         "route_keys": (k["RK_I"] * 4, S * -(-E // k["RC"]) * triton.next_power_of_2(K) * 8),
         "expert_act": (k["ACT_B"] * 2, S * K * I_R * 2),
-        "latent": (k["LAT_B"] * 2, S * L * 2),
+        "latent": (k["LAT_B"] * 2, S * (L // tp) * 2),
         "shared_act": (k["SACT_B"] * 2, S * SI_R * 2),
         "seam_part": (k["SPART_F"] * 4, S * -(-H // k["SC"]) * 2 * k["CP"] * 4),
         "seam_h": (k["SH_B"] * 2, S * H * 2),
@@ -323,6 +323,25 @@ def test_other_task_shapes_change_no_bits(tiles):
     assert (geometry.expert_down.rows, geometry.router.rows) == (tiles.expert_rows, tiles.router_rows)
     assert geometry.expert_gate_up.lookahead == geometry.expert_down.lookahead == tiles.expert_lookahead
     assert same_bits(plain, narrow(**inputs))
+
+
+def test_wider_hidden_tasks_stay_within_budget_and_loopback_pushes_the_same_tiles():
+    """32-row o_proj and FINAL tasks (TileChoice.oproj_rows, final_rows) take K
+    in shorter steps, so their sums may round otherwise: the launch stays within
+    the reference's budget, and the loopback's pre-writes (a staged run) use the
+    launch's tiles, so every rank's launch gives the staged path's bits at them."""
+    cfg, tokens, layer, tp = preset("tiny"), 1, 13, 2
+    tiles = TileChoice(oproj_rows=32, final_rows=32)
+    shards = shard_all(layer_weights(), cfg, tp)
+    inputs = random_inputs(cfg, tokens, layer, seed=43)
+    runner = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
+    got = runner(**inputs)
+    check_against_reference(cfg, shards, inputs, layer, got)
+    geometry = runner.compiled.table.geometry
+    assert (geometry.oproj.rows, geometry.final.rows) == (32, 32)
+    assert runner._staged.geom == geometry
+    for rank in range(tp):
+        assert same_bits(runner.result(rank), runner._staged.result(rank)), f"rank {rank}: mono and staged differ"
 
 
 @pytest.mark.parametrize("bad,message", [

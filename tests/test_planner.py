@@ -684,6 +684,29 @@ def test_router_rows_set_the_router_tasks_over_the_same_step_bytes(rows):
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(router_rows=3)))
 
 
+@pytest.mark.parametrize("tokens,base_rows", [(1, 8), (8, 16)])
+@pytest.mark.parametrize("rows", [16, 32])
+def test_oproj_and_final_rows_set_their_tasks_over_the_same_step_bytes(tokens, base_rows, rows):
+    """TileChoice.oproj_rows / final_rows: rows / base_rows times fewer o_proj
+    (and FINAL) tasks than the default at TP8 (8 rows on the FMA path, 16 on the
+    tl.dot path), each step as many bytes (a shorter K step), the same bytes
+    streamed, every other kind's tasks unchanged; each knob moves its kind only."""
+    cfg = preset("kimi-k3")
+    base = plan(cfg, 8, tokens, 132)
+    for knob, kind, tile in (("oproj_rows", TaskKind.OPROJ, "oproj"), ("final_rows", TaskKind.FINAL, "final")):
+        wide = plan(cfg, 8, tokens, 132, MonoOptions(tiles=TileChoice(**{knob: rows})))
+        b, w = getattr(base.geometry, tile), getattr(wide.geometry, tile)
+        assert (b.rows, w.rows) == (base_rows, rows) and w.rows * w.block_k == b.rows * b.block_k
+        count = lambda t, k: sum(task.kind == k for task in t.tasks)  # noqa: E731
+        assert count(base, kind) == cfg.hidden_size // base_rows and count(wide, kind) == cfg.hidden_size // rows
+        others = [k for k in TaskKind if k not in (kind, TaskKind.REDUCE1, TaskKind.REDUCE3)]
+        assert all(count(wide, k) == count(base, k) for k in others), knob
+        streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
+        assert streamed(wide) == streamed(base)
+    with pytest.raises(K3InputError, match="final_rows"):
+        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(final_rows=12)))
+
+
 @pytest.mark.parametrize("name,chunks,parts", [("kimi-k3", 14, 7), ("tiny", 4, 4), ("small", 4, 4)])
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_seam_and_route_spread_each_token_over_ctas(name, chunks, parts, tokens):

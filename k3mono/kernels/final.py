@@ -2,7 +2,7 @@
 
 Shapes: S tokens, H hidden, L latent, SI shared intermediate, T ranks.
 
-    partial [S, H] fp32 = latent[:, r*L/T : (r+1)*L/T] @ latent_up_r [H, L/T].T
+    partial [S, H] fp32 = latent_r [S, L/T] @ latent_up_r [H, L/T].T
                         + shared_act [S, SI/T] @ shared_down_r [H, SI/T].T      (both unrounded)
 
 A task owns ``geom.final.rows`` rows of H and runs both GEMVs into them (the
@@ -85,27 +85,26 @@ def _final_kernel(
     store_rows(out_ptr, stride_os, tile, task * ROWS, S, H, SP, ROWS)
 
 
-def launch_final_partial(latent, rank, latent_up_r, shared_act, shared_down_r, partial_out, geom) -> None:
-    """partial_out [S, H] fp32 = latent[:, rank's L/T columns] @ latent_up_r.T + shared_act @ shared_down_r.T.
+def launch_final_partial(latent_r, latent_up_r, shared_act, shared_down_r, partial_out, geom) -> None:
+    """partial_out [S, H] fp32 = latent_r @ latent_up_r.T + shared_act @ shared_down_r.T.
 
-    latent [S, L] bf16 (the whole normalised latent), latent_up_r [H, L/T] bf16,
-    shared_act [S, SI/T] bf16, shared_down_r [H, SI/T] bf16.
+    latent_r [S, L/T] bf16 (the rank's columns of the normalised latent),
+    latent_up_r [H, L/T] bf16, shared_act [S, SI/T] bf16, shared_down_r [H, SI/T] bf16.
     """
-    S, L = latent.shape
-    H, KL = latent_up_r.shape
+    S, KL = latent_r.shape
+    H = latent_up_r.shape[0]
     KS = shared_down_r.shape[1]
     if (
-        L % KL or not 0 <= rank < L // KL or shared_down_r.shape[0] != H
+        tuple(latent_up_r.shape) != (H, KL) or shared_down_r.shape[0] != H
         or tuple(shared_act.shape) != (S, KS) or tuple(partial_out.shape) != (S, H) or S != geom.tokens
     ):
         raise ValueError(
-            f"launch_final_partial: latent {list(latent.shape)} rank {rank}, latent_up_r {list(latent_up_r.shape)}, "
+            f"launch_final_partial: latent_r {list(latent_r.shape)}, latent_up_r {list(latent_up_r.shape)}, "
             f"shared_act {list(shared_act.shape)}, shared_down_r {list(shared_down_r.shape)}, out {list(partial_out.shape)}"
         )
-    for name, t in (("latent", latent), ("latent_up_r", latent_up_r), ("shared_act", shared_act),
+    for name, t in (("latent_r", latent_r), ("latent_up_r", latent_up_r), ("shared_act", shared_act),
                     ("shared_down_r", shared_down_r), ("partial_out", partial_out)):
         check_rows_contiguous(name, t)
-    latent_r = latent[:, rank * KL : (rank + 1) * KL]
     tile = geom.final
     _final_kernel[(num_tasks(H, tile.rows),)](
         latent_r, latent_r.stride(0), latent_up_r, latent_up_r.stride(0), shared_act, shared_act.stride(0),

@@ -263,7 +263,7 @@ def latent_down_push_task(
 @triton.jit
 def final_push_task(
     tile,
-    lat_ptr,  # bf16 [S, L/T]: this rank's columns of the normed latent, row stride L
+    lat_ptr,  # bf16 [S, L/T]: this rank's columns of the normed latent
     w_up_ptr,  # bf16 [H, L/T]
     sact_ptr,  # bf16 [S, SI/T]
     w_sd_ptr,  # bf16 [H, SI/T]
@@ -272,7 +272,6 @@ def final_push_task(
     word,
     S: tl.constexpr,
     H: tl.constexpr,
-    L: tl.constexpr,
     L_R: tl.constexpr,
     SI_R: tl.constexpr,
     SP: tl.constexpr,
@@ -285,7 +284,7 @@ def final_push_task(
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
-    acc = final_task(tile, lat_ptr, L, w_up_ptr, L_R, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, L_R, SI_R, SP, F_ROWS,
+    acc = final_task(tile, lat_ptr, L_R, w_up_ptr, L_R, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, L_R, SI_R, SP, F_ROWS,
                      F_BK, USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST)
     _push_rows(peer_table_ptr, slot, H, acc, tile * F_ROWS, S, H, SP, F_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
@@ -714,11 +713,11 @@ def _mono_kernel(
                 sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
                 sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
             elif kind == K_LATENT_NORM:
-                latent_norm_task(token, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L, T, L, VB)
+                latent_norm_task(token, rank, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L_R, T, L, L_R, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
-                final_push_task(tile, lat_ptr + rank * L_R, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
-                                pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L, L_R, SI_R, SP, F_ROWS, F_BK,
+                final_push_task(tile, lat_ptr, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
+                                pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L_R, SI_R, SP, F_ROWS, F_BK,
                                 USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
                 reduce3_task(start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
