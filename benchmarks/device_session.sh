@@ -16,7 +16,8 @@
 # loops: the expert stages' loops at other pipeline depths and unroll factors (staged);
 # check_staged: the staged path's check alone; check_lookahead: the mono check with expert loops loading a
 # step ahead; lookahead: those loops timed (mono at 2 and 3 CTAs a SM, staged); final: router rows and the
-# FINAL prefetch (S = 1), the prefetch (S = 8);
+# FINAL prefetch (S = 1), the prefetch (S = 8); trace_m1b: the S = 1 trace with M1b folded in (prefetch 0 and 1)
+# beside the plain one; rows: the o_proj and FINAL task rows (mono, S = 1 and 8);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -102,6 +103,14 @@ for s in $STEPS; do
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     trace)  # every ticket's SM and times, per task kind (a trace build), S = 1 and 8
         step mono_trace 200 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
+    trace_m1b)  # S = 1: the launch with M1b folded in (prefetch 0 and 1) beside the plain launch's trace
+        step mono_trace_plain 100 python3 benchmarks/mono_trace.py --tokens 1 --out "$RESULTS"
+        step mono_trace_m1b 150 python3 benchmarks/mono_trace.py --tokens 1 --m1b --prefetch 0 1 --out "$RESULTS" ;;
+    rows)  # o_proj and FINAL task rows (TileChoice.oproj_rows, final_rows), mono only, S = 1 and 8
+        step mono_rows_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
+            --oproj-rows 8 16 32 --final-rows 8 16 32 --skip-staged
+        step mono_rows_s8 120 python3 benchmarks/mono_sweep.py --tokens 8 --ctas 2 --prefetch 0 --expert-lookahead 1 \
+            --oproj-rows 16 32 --final-rows 16 32 --skip-staged ;;
     trace_double)  # S = 1: the route and the latent norm run twice in a row (first-of-kind costs)
         step mono_trace_double 200 python3 benchmarks/mono_trace.py --tokens 1 --double ROUTE LATENT_NORM ;;
     defaults)  # the mono defaults against their alternatives (expert rows, pause between polls), S = 1 and 8

@@ -164,6 +164,8 @@ def main() -> int:
     parser.add_argument("--router-rows", type=int, default=DEFAULT_TILES.router_rows, help="TileChoice.router_rows")
     parser.add_argument("--expert-lookahead", type=int, default=int(DEFAULT_TILES.expert_lookahead),
                         help="TileChoice.expert_lookahead (0 / 1)")
+    parser.add_argument("--oproj-rows", type=int, default=DEFAULT_TILES.oproj_rows, help="TileChoice.oproj_rows")
+    parser.add_argument("--final-rows", type=int, default=DEFAULT_TILES.final_rows, help="TileChoice.final_rows")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--ctas-per-sm", type=int, default=DEFAULT_CTAS_PER_SM, help="MonoOptions.ctas_per_sm")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
@@ -196,7 +198,8 @@ def main() -> int:
         if not args.skip_mono:
             for tokens in args.tokens:
                 tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
-                                   router_rows=args.router_rows, expert_lookahead=bool(args.expert_lookahead))
+                                   router_rows=args.router_rows, expert_lookahead=bool(args.expert_lookahead),
+                                   oproj_rows=args.oproj_rows, final_rows=args.final_rows)
                 options = default_options(ctas_per_sm=args.ctas_per_sm, tiles=tiles, poll_sleep_ns=args.poll_sleep_ns)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, options)
         if tp == 8:

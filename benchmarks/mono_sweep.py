@@ -8,13 +8,15 @@ grid, not a register budget, sets how many warps an SM holds).
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
                                     [--dense-step-kb 8 16 32] [--expert-rows 32 16 8] [--router-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
+                                    [--oproj-rows 8 16 32] [--final-rows 8 16 32] [--skip-staged]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
 (maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
 (benchmarks/resource_check.py); 168 lets 3 fit, 128 lets 4, at the cost of spills.
 ``--poll-sleep-ns`` the pause of a waiting CTA between polls (MonoOptions.poll_sleep_ns);
 ``--expert-lookahead`` whether the expert loops load a step ahead (TileChoice.expert_lookahead);
-``--prefetch-final`` whether PREFETCH_FINAL tasks pull FINAL's weights into L2 (MonoOptions.prefetch_final).
+``--prefetch-final`` whether PREFETCH_FINAL tasks pull FINAL's weights into L2 (MonoOptions.prefetch_final);
+``--oproj-rows`` / ``--final-rows`` the rows of an o_proj / FINAL task (TileChoice.oproj_rows, final_rows).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 
 from k3mono.bench import WEIGHT_SETS, _loopback_layers, _time_staged, time_mono
 from k3mono.config import preset
-from k3mono.planner import DENSE_STEP_KB, EXPERT_LOOKAHEAD, EXPERT_ROWS, ROUTER_ROWS, MonoOptions, TileChoice
+from k3mono.planner import (DENSE_STEP_KB, EXPERT_LOOKAHEAD, EXPERT_ROWS, HIDDEN_ROWS, ROUTER_ROWS, MonoOptions,
+                            TileChoice)
 from k3mono.synthetic import random_shard
 
 
@@ -40,8 +43,12 @@ def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> st
     whole, stages = _time_staged(layers)
     del layers
     shown = ", ".join(f"{k} {stages[k] * 1e6:.1f}" for k in STAGES_SHOWN)
+    return f"{_tiles_text(tiles)}: {whole * 1e6:8.1f} us ({shown} us)"
+
+
+def _tiles_text(tiles: TileChoice) -> str:
     return (f"dense step {tiles.dense_step_kb} KB expert rows {tiles.expert_rows} router rows {tiles.router_rows} "
-            f"lookahead {int(tiles.expert_lookahead)}: {whole * 1e6:8.1f} us ({shown} us)")
+            f"lookahead {int(tiles.expert_lookahead)} o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows}")
 
 
 def main() -> None:
@@ -56,23 +63,25 @@ def main() -> None:
     parser.add_argument("--expert-lookahead", type=int, nargs="+", default=[int(EXPERT_LOOKAHEAD)],
                         help="TileChoice.expert_lookahead (0 / 1)")
     parser.add_argument("--prefetch-final", type=int, nargs="+", default=[0], help="MonoOptions.prefetch_final (0 / 1)")
+    parser.add_argument("--oproj-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.oproj_rows")
+    parser.add_argument("--final-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.final_rows")
+    parser.add_argument("--skip-staged", action="store_true", help="time the mono launch only")
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     for tokens in args.tokens:
-        choices = [TileChoice(dense_step_kb=k, expert_rows=e, router_rows=r, expert_lookahead=bool(la))
-                   for k, e, r, la in itertools.product(args.dense_step_kb, args.expert_rows, args.router_rows,
-                                                        args.expert_lookahead)]
-        for tiles in choices:
+        choices = [TileChoice(dense_step_kb=k, expert_rows=e, router_rows=r, expert_lookahead=bool(la), oproj_rows=o,
+                              final_rows=f)
+                   for k, e, r, la, o, f in itertools.product(args.dense_step_kb, args.expert_rows, args.router_rows,
+                                                              args.expert_lookahead, args.oproj_rows, args.final_rows)]
+        for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
         knobs = itertools.product(args.prefetch, args.prefetch_final, args.poll_sleep_ns, args.ctas, choices)
         for prefetch, prefetch_final, sleep_ns, config, tiles in knobs:
             ctas, _, cap = config.partition(":")
             label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} final {prefetch_final} sleep {sleep_ns} ns "
-                     f"ctas/SM {config} "
-                     f"dense step {tiles.dense_step_kb} KB expert rows {tiles.expert_rows} router rows "
-                     f"{tiles.router_rows} lookahead {int(tiles.expert_lookahead)}")
+                     f"ctas/SM {config} {_tiles_text(tiles)}")
             try:
                 options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, poll_sleep_ns=sleep_ns,
                                       prefetch_final=bool(prefetch_final))

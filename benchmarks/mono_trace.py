@@ -3,14 +3,17 @@ ticket's SM and timer readings from a trace build (k3mono/trace.py), per
 task kind, for each token count; beside it the traced and the plain build's
 CUDA-graph time (what recording costs).
 
-    python benchmarks/mono_trace.py [--tokens 1 8] [--poll-sleep-ns 0 200] [--double ROUTE ...] [--out DIR]
+    python benchmarks/mono_trace.py [--tokens 1 8] [--poll-sleep-ns 0 200] [--double ROUTE ...] [--m1b]
+                                    [--prefetch 0 1] [--out DIR]
 
 The traced launch runs after launches on the other rotated weight sets, as
 a replay would (its weights are not in L2), and is read eagerly. ``--double``
 traces, for each kind named, the timing variant that runs each of its tasks
 twice in a row on one CTA (planner.timing_variant): the copy's run time
 beside the first's tells what a task pays for being the first of its kind
-(code and data not yet cached on its SM).
+(code and data not yet cached on its SM). ``--m1b`` traces an MLA layer's
+launch with M1b folded in (bench_mla.fold_shape) instead of the plain one;
+``--prefetch`` the launch at each of MonoRunner's prefetch modes.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import os
 
 import torch
 
-from k3mono.bench import WEIGHT_SETS, mono_runners, time_mono
+from k3mono.bench import BENCH_LAYER, WEIGHT_SETS, mono_runners, time_mono
+from k3mono.bench_mla import fold_shape, m1b_runners, time_mono_m1b
 from k3mono.config import preset
-from k3mono.mono import default_options
+from k3mono.mono import DEFAULT_PREFETCH, default_options
 from k3mono.planner import TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
@@ -68,28 +72,40 @@ def main() -> None:
     parser.add_argument("--poll-sleep-ns", type=int, nargs="+", default=[0], help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--double", nargs="*", default=[], help="task kinds (planner.TaskKind names) to run twice")
-    parser.add_argument("--out", default=None, help="directory for mono-trace-S<tokens>-sleep<ns>.json")
+    parser.add_argument("--m1b", action="store_true", help="an MLA layer's launch, M1b folded in")
+    parser.add_argument("--prefetch", type=int, nargs="+", default=[DEFAULT_PREFETCH], help="MonoRunner's prefetch")
+    parser.add_argument("--out", default=None, help="directory for mono-trace-S<tokens>-sleep<ns>[-m1b].json")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
-    for tokens, sleep_ns in itertools.product(args.tokens, args.poll_sleep_ns):
-        options = default_options(poll_sleep_ns=sleep_ns)
-        runners = mono_runners(cfg, args.tp, tokens, sets, trace=True, options=options)
+    for tokens, sleep_ns, prefetch in itertools.product(args.tokens, args.poll_sleep_ns, args.prefetch):
+        options = default_options(poll_sleep_ns=sleep_ns, m1b=fold_shape() if args.m1b else None)
+        if args.m1b:
+            runners = m1b_runners(cfg, args.tp, tokens, sets, BENCH_LAYER, options, trace=True, prefetch=prefetch)
+        else:
+            runners = mono_runners(cfg, args.tp, tokens, sets, trace=True, options=options, prefetch=prefetch)
         ranks = [runner.rank_states[0] for runner in runners]
         launch_us, spans = traced_launch(ranks)
         traced = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
         doubled = [doubled_text(ranks, kind) for kind in args.double]
         del runners, ranks
         torch.cuda.empty_cache()
-        plain = time_mono(cfg, args.tp, tokens, sets, options=options)
-        print(f"T={args.tp} S={tokens} poll sleep {sleep_ns} ns: traced launch {traced * 1e6:.1f} us, plain "
-              f"{plain * 1e6:.1f} us (CUDA-graph replay)\n{format_summary(launch_us, spans)}", *doubled, sep="\n",
-              flush=True)
+        if args.m1b:
+            plain = time_mono_m1b(cfg, args.tp, tokens, sets, BENCH_LAYER, options=options, prefetch=prefetch)
+        else:
+            plain = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch)
+        what = f"T={args.tp} S={tokens}{' M1b folded' if args.m1b else ''} prefetch {prefetch} poll sleep {sleep_ns} ns"
+        print(f"{what}: traced launch {traced * 1e6:.1f} us, plain {plain * 1e6:.1f} us (CUDA-graph replay)\n"
+              f"{format_summary(launch_us, spans)}", *doubled, sep="\n", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, traced_us=traced * 1e6,
-                          plain_us=plain * 1e6, launch_span_us=launch_us, kinds=[dataclasses.asdict(s) for s in spans])
-            with open(os.path.join(args.out, f"mono-trace-S{tokens}-sleep{sleep_ns}.json"), "w") as f:
+            record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, m1b=args.m1b, prefetch=prefetch,
+                          traced_us=traced * 1e6, plain_us=plain * 1e6, launch_span_us=launch_us,
+                          kinds=[dataclasses.asdict(s) for s in spans])
+            name = f"mono-trace-S{tokens}-sleep{sleep_ns}{'-m1b' if args.m1b else ''}"
+            if prefetch != DEFAULT_PREFETCH:
+                name += f"-prefetch{prefetch}"
+            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
                 json.dump(record, f, indent=1)
 
 
