@@ -8,7 +8,7 @@ grid, not a register budget, sets how many warps an SM holds).
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
                                     [--dense-step-kb 8 16 32] [--expert-rows 32 16 8] [--router-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
-                                    [--oproj-rows 8 16 32] [--final-rows 8 16 32] [--skip-staged]
+                                    [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--skip-staged | --skip-mono]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
 (maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--oproj-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.oproj_rows")
     parser.add_argument("--final-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.final_rows")
     parser.add_argument("--skip-staged", action="store_true", help="time the mono launch only")
+    parser.add_argument("--skip-mono", action="store_true", help="time the staged path only")
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args()
     cfg = preset("kimi-k3")
@@ -77,7 +78,8 @@ def main() -> None:
                                                               args.expert_lookahead, args.oproj_rows, args.final_rows)]
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
-        knobs = itertools.product(args.prefetch, args.prefetch_final, args.poll_sleep_ns, args.ctas, choices)
+        knobs = itertools.product(args.prefetch, args.prefetch_final, args.poll_sleep_ns, args.ctas,
+                                  [] if args.skip_mono else choices)
         for prefetch, prefetch_final, sleep_ns, config, tiles in knobs:
             ctas, _, cap = config.partition(":")
             label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} final {prefetch_final} sleep {sleep_ns} ns "

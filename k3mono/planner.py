@@ -113,15 +113,15 @@ def route_chunk(num_experts: int, top_k: int) -> int:
 
 
 HIDDEN_ROWS = 8
-HIDDEN_ROWS_CHOICES = (8, 16, 32)
+HIDDEN_ROWS_CHOICES = (8, 16, 32, 64)
 """Rows of an o_proj or a FINAL task (TileChoice.oproj_rows, final_rows): the
 two stages whose outputs are all H = 7168 rows. At 8 rows (FMA_TILE) S = 1 has
 896 tasks of each for the mono launch's 264 CTAs, 3.1 to 3.4 us a task of
 which one or two steps are weight loads (the trace at 517679f): the rest is
-what every task pays (its ticket, its table row, the push and the raise). 16
-or 32 rows spread the same bytes over 2x or 4x fewer tasks, the step (in KB)
-unchanged, so K is taken in more, narrower steps; on the tl.dot path (16 rows
-at least) likewise from 16."""
+what every task pays (its ticket, its table row, the push and the raise). 16,
+32 or 64 rows spread the same bytes over 2x, 4x or 8x fewer tasks, the step (in
+KB) unchanged, so K is taken in more, narrower steps; on the tl.dot path (16
+rows at least) likewise from 16."""
 
 EXPERT_ROWS = 32
 EXPERT_ROWS_CHOICES = (8, 16, 32)
@@ -535,6 +535,7 @@ class Flag(enum.IntEnum):
     SCORED = 13  # [token]     seam partial sums written, every chunk
     MIXED = 14  # [token]      seam h and its partial squares written, every chunk
     RANKED = 15  # [token]     route parts' top-K keys written, every part
+    DISCARD = 16  # [1]        raised by a timing variant's task copies only; never awaited
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
@@ -1137,6 +1138,7 @@ class _Planner:
             Flag.SCORED: per_token,
             Flag.MIXED: per_token,
             Flag.RANKED: per_token,
+            Flag.DISCARD: 1,
         }
         return tuple((flag, slots[flag]) for flag in Flag)
 
@@ -1273,7 +1275,8 @@ def timing_variant(table: TaskTable, how: str, kind: TaskKind) -> TaskTable:
     ``skip``: every task of ``kind`` becomes a NOP that keeps its waits and its
     raise (what it would write stays what the buffers held: run the plain
     table on them first). ``double``: every task of ``kind`` runs twice, the
-    copy right after it raising nothing. The flags and their counts are the
+    copy right after it raising only the DISCARD word (the kernel raises a
+    task's word unconditionally; no wait reads DISCARD). The flags and their counts are the
     plain table's in both, so a varied launch can share a plain launch's
     buffers, flags and epochs; half the launch time of double minus skip is
     the kind's cost in the launch."""
@@ -1290,7 +1293,7 @@ def timing_variant(table: TaskTable, how: str, kind: TaskKind) -> TaskTable:
         elif how == "skip":
             varied.append(replace(task, kind=TaskKind.NOP, streams=()))
         else:
-            varied += [task, replace(task, raises=())]
+            varied += [task, replace(task, raises=(Raise(Flag.DISCARD, 0),))]
     sources = {}  # remapped once per shared sources tuple
 
     def remap(wait: Wait) -> Wait:
