@@ -112,10 +112,10 @@ for s in $STEPS; do
             --oproj-rows 8 16 32 --final-rows 8 16 32 --skip-staged
         step mono_rows_s8 120 python3 benchmarks/mono_sweep.py --tokens 8 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 16 32 --final-rows 16 32 --skip-staged ;;
-    rows64)  # o_proj and FINAL task rows 32 and 64 (mono), the staged path at 8, 16 and 32, S = 1 and 8
+    rows64)  # o_proj and FINAL task rows 32 and 64 (mono), the staged path at 8 and 32, S = 1 and 8
         step mono_rows64 200 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 64 --final-rows 32 64 --skip-staged
-        step staged_rows 120 python3 benchmarks/mono_sweep.py --tokens 1 8 --oproj-rows 8 16 32 --final-rows 8 16 32 \
+        step staged_rows 120 python3 benchmarks/mono_sweep.py --tokens 1 8 --oproj-rows 8 32 --final-rows 8 32 \
             --skip-mono ;;
     m1b_double)  # S = 1, M1b folded in: its M1B and OPROJ tasks run twice in a row (first-of-kind costs)
         step mono_trace_m1b_double 150 python3 benchmarks/mono_trace.py --tokens 1 --m1b --double M1B OPROJ ;;
