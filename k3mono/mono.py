@@ -115,14 +115,18 @@ gave nothing more); the L2 prefetch before a blocking wait (mode 1) cost 20 to
 in registers across the wait."""
 
 
-DEFAULT_TILES = TileChoice(expert_lookahead=True)
+DEFAULT_TILES = TileChoice(expert_lookahead=True, oproj_rows=32, final_rows=32)
 """The staged path's tiles (32 expert rows, 2 router rows) with expert loops
-that load a step ahead, measured on the H200 (benchmarks/mono_sweep.py,
-docs/PERF.md): the lookahead took S = 1 from 125.9 to 122.2 and from 113.9 to
-112.8 us, S = 8 from 249.4 to 246.9 and from 248.4 to 246.1 (two machines; the
-staged path's S = 8 lost 11 us with it, so the planner's default keeps it off);
-16 expert rows took S = 1 from 118.5 to 129.5 us and S = 8 from 264.1 to 319.9
-(an earlier machine had shown the opposite, 140.9 -> 127.4)."""
+that load a step ahead and 32-row o_proj and FINAL tasks, measured on the H200
+(benchmarks/mono_sweep.py, docs/PERF.md): the lookahead took S = 1 from 125.9
+to 122.2 and from 113.9 to 112.8 us, S = 8 from 249.4 to 246.9 and from 248.4
+to 246.1 (two machines; the staged path's S = 8 lost 11 us with it, so the
+planner's default keeps it off); 16 expert rows took S = 1 from 118.5 to 129.5
+us and S = 8 from 264.1 to 319.9 (an earlier machine had shown the opposite,
+140.9 -> 127.4). o_proj / FINAL rows 8 / 8, 16 / 16, 32 / 32, 64 / 64: S = 1
+100.8, 93.9, 89.7 (89.4 on a second machine), 101.5 us; S = 8 (16 rows at
+least) 235.7, 224.1 (224.2), 233.0 (the staged path, non-persistent, keeps 8:
+its S = 1 took 107.5 us at 8 / 8 and 112.1 at 32 / 32)."""
 DEFAULT_POLL_SLEEP_NS = 0
 """Measured on the H200 (benchmarks/mono_sweep.py, mono_trace.py): a 250 ns
 pause between polls moved S = 1 by -3.5 to +0.7 us and S = 8 by +0.4 to +2.0,

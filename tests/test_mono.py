@@ -77,7 +77,7 @@ def test_mono_matches_the_reference_and_staged(tp, tokens, layer):
     check_against_reference(cfg, shards, inputs, layer, got)
     for rank, other in enumerate(runner.rank_results()):
         assert same_bits(got, other), f"rank {rank} differs from rank 0"
-    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer)
+    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
     if tp == 1:
         staged(**inputs)
     for rank in range(tp):

@@ -127,7 +127,8 @@ def judge_chain(cfg, weights, shards, act, got, core, exact_core):
 
 def same_as_staged_chain(cfg, shards, tokens, m1b_in, act, runner):
     """Every rank's outputs are the staged chain's bits (staged M1b, then the staged layer)."""
-    staged = mla.staged_mla_layer_post(StagedLayer(cfg, shards, tokens, LAYER), m1b_in, act["prefix"], act["blocks"])
+    staged = mla.staged_mla_layer_post(StagedLayer(cfg, shards, tokens, LAYER, tiles=runner.key.tiles), m1b_in,
+                                       act["prefix"], act["blocks"])
     for r, other in enumerate(runner.rank_results()):
         assert all(torch.equal(bits(getattr(staged, n)), bits(getattr(other, n))) for n in NAMES), r
 
