@@ -18,7 +18,8 @@
 # step ahead; lookahead: those loops timed (mono at 2 and 3 CTAs a SM, staged); final: router rows and the
 # FINAL prefetch (S = 1), the prefetch (S = 8); trace_m1b: the S = 1 trace with M1b folded in (prefetch 0 and 1)
 # beside the plain one; rows: the o_proj and FINAL task rows (mono, S = 1 and 8); rows64: 32 and 64 of them (mono)
-# and the staged path's; m1b_double: the M1b-folded launch with its M1B and OPROJ tasks run twice;
+# and the staged path's; m1b_double: the M1b-folded launch with its M1B and OPROJ tasks run twice; m1b_rows: that
+# launch's trace at 16, 32 and 64 value rows an M1B task;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -117,6 +118,9 @@ for s in $STEPS; do
             --oproj-rows 32 64 --final-rows 32 64 --skip-staged
         step staged_rows 120 python3 benchmarks/mono_sweep.py --tokens 1 8 --oproj-rows 8 32 --final-rows 8 32 \
             --skip-mono ;;
+    m1b_rows)  # S = 1, M1b folded in: 16, 32 and 64 value rows an M1B task (TileChoice.m1b_rows)
+        step mono_trace_m1b_rows 200 python3 benchmarks/mono_trace.py --tokens 1 --m1b --m1b-rows 16 32 64 \
+            --out "$RESULTS" ;;
     m1b_double)  # S = 1, M1b folded in: its M1B and OPROJ tasks run twice in a row (first-of-kind costs)
         step mono_trace_m1b_double 150 python3 benchmarks/mono_trace.py --tokens 1 --m1b --double M1B OPROJ ;;
     trace_double)  # S = 1: the route and the latent norm run twice in a row (first-of-kind costs)

@@ -4,7 +4,7 @@ task kind, for each token count; beside it the traced and the plain build's
 CUDA-graph time (what recording costs).
 
     python benchmarks/mono_trace.py [--tokens 1 8] [--poll-sleep-ns 0 200] [--double ROUTE ...] [--m1b]
-                                    [--prefetch 0 1] [--out DIR]
+                                    [--m1b-rows 16 32 64] [--prefetch 0 1] [--out DIR]
 
 The traced launch runs after launches on the other rotated weight sets, as
 a replay would (its weights are not in L2), and is read eagerly. ``--double``
@@ -12,8 +12,9 @@ traces, for each kind named, the timing variant that runs each of its tasks
 twice in a row on one CTA (planner.timing_variant): the copy's run time
 beside the first's tells what a task pays for being the first of its kind
 (code and data not yet cached on its SM). ``--m1b`` traces an MLA layer's
-launch with M1b folded in (bench_mla.fold_shape) instead of the plain one;
-``--prefetch`` the launch at each of MonoRunner's prefetch modes.
+launch with M1b folded in (bench_mla.fold_shape) instead of the plain one,
+at each ``--m1b-rows`` (TileChoice.m1b_rows); ``--prefetch`` the launch at
+each of MonoRunner's prefetch modes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 from k3mono.bench import BENCH_LAYER, WEIGHT_SETS, mono_runners, time_mono
 from k3mono.bench_mla import fold_shape, m1b_runners, time_mono_m1b
 from k3mono.config import preset
-from k3mono.mono import DEFAULT_PREFETCH, default_options
+from k3mono.mono import DEFAULT_PREFETCH, DEFAULT_TILES, default_options
+from k3mono.planner import BACK_BLOCK_DV
 from k3mono.planner import TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
@@ -73,13 +75,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--double", nargs="*", default=[], help="task kinds (planner.TaskKind names) to run twice")
     parser.add_argument("--m1b", action="store_true", help="an MLA layer's launch, M1b folded in")
+    parser.add_argument("--m1b-rows", type=int, nargs="+", default=[BACK_BLOCK_DV], help="TileChoice.m1b_rows")
     parser.add_argument("--prefetch", type=int, nargs="+", default=[DEFAULT_PREFETCH], help="MonoRunner's prefetch")
     parser.add_argument("--out", default=None, help="directory for mono-trace-S<tokens>-sleep<ns>[-m1b].json")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
-    for tokens, sleep_ns, prefetch in itertools.product(args.tokens, args.poll_sleep_ns, args.prefetch):
-        options = default_options(poll_sleep_ns=sleep_ns, m1b=fold_shape() if args.m1b else None)
+    m1b_rows = args.m1b_rows if args.m1b else [BACK_BLOCK_DV]
+    for tokens, sleep_ns, prefetch, rows in itertools.product(args.tokens, args.poll_sleep_ns, args.prefetch, m1b_rows):
+        options = default_options(poll_sleep_ns=sleep_ns, m1b=fold_shape() if args.m1b else None,
+                                  tiles=dataclasses.replace(DEFAULT_TILES, m1b_rows=rows))
         if args.m1b:
             runners = m1b_runners(cfg, args.tp, tokens, sets, BENCH_LAYER, options, trace=True, prefetch=prefetch)
         else:
@@ -94,17 +99,20 @@ def main() -> None:
             plain = time_mono_m1b(cfg, args.tp, tokens, sets, BENCH_LAYER, options=options, prefetch=prefetch)
         else:
             plain = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch)
-        what = f"T={args.tp} S={tokens}{' M1b folded' if args.m1b else ''} prefetch {prefetch} poll sleep {sleep_ns} ns"
+        folded = f" M1b folded, {rows} value rows a task," if args.m1b else ""
+        what = f"T={args.tp} S={tokens}{folded} prefetch {prefetch} poll sleep {sleep_ns} ns"
         print(f"{what}: traced launch {traced * 1e6:.1f} us, plain {plain * 1e6:.1f} us (CUDA-graph replay)\n"
               f"{format_summary(launch_us, spans)}", *doubled, sep="\n", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, m1b=args.m1b, prefetch=prefetch,
-                          traced_us=traced * 1e6, plain_us=plain * 1e6, launch_span_us=launch_us,
+            record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, m1b=args.m1b, m1b_rows=rows,
+                          prefetch=prefetch, traced_us=traced * 1e6, plain_us=plain * 1e6, launch_span_us=launch_us,
                           kinds=[dataclasses.asdict(s) for s in spans])
             name = f"mono-trace-S{tokens}-sleep{sleep_ns}{'-m1b' if args.m1b else ''}"
             if prefetch != DEFAULT_PREFETCH:
                 name += f"-prefetch{prefetch}"
+            if rows != BACK_BLOCK_DV:
+                name += f"-rows{rows}"
             with open(os.path.join(args.out, f"{name}.json"), "w") as f:
                 json.dump(record, f, indent=1)
 

@@ -141,11 +141,21 @@ instead of one, for the mono launch's few resident warps an SM (the trace had a
 default turns it on (mono.DEFAULT_TILES). Same bits either way."""
 
 
+BACK_BLOCK_DV = 32
+BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
+"""Value rows of one head an M1b task (or program) produces: 4 a head, 48 tasks
+at TP8 (12 heads of 128), so M1b spreads over a third of an H200; a task's w_v
+tile is 32 rows x the whole latent (32 KB in bf16, 64 registers a thread at 4
+warps), read in one load issued before the splits are combined. The mono
+launch may take other counts (TileChoice.m1b_rows): every task recombines its
+head's splits, so fewer rows make more, shorter tasks that repeat the combine."""
+
+
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
     build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS,
-    EXPERT_LOOKAHEAD and HIDDEN_ROWS)."""
+    EXPERT_LOOKAHEAD, HIDDEN_ROWS and BACK_BLOCK_DV)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     expert_rows: int = EXPERT_ROWS
@@ -153,6 +163,7 @@ class TileChoice:
     expert_lookahead: bool = EXPERT_LOOKAHEAD
     oproj_rows: int = HIDDEN_ROWS
     final_rows: int = HIDDEN_ROWS
+    m1b_rows: int = BACK_BLOCK_DV
 
     def check(self) -> None:
         if self.dense_step_kb not in DENSE_STEP_KB_CHOICES:
@@ -166,13 +177,9 @@ class TileChoice:
             raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
         if not isinstance(self.expert_lookahead, bool):
             raise K3InputError(f"tiles.expert_lookahead: expected a bool, got {self.expert_lookahead!r}")
+        if self.m1b_rows not in BACK_BLOCK_DV_CHOICES:
+            raise K3InputError(f"tiles.m1b_rows: expected one of {BACK_BLOCK_DV_CHOICES}, got {self.m1b_rows!r}")
 
-
-BACK_BLOCK_DV = 32
-"""Value rows of one head an M1b task (or program) produces: 4 a head, 48 tasks
-at TP8 (12 heads of 128), so M1b spreads over a third of an H200; a task's w_v
-tile is 32 rows x the whole latent (32 KB in bf16, 64 registers a thread at 4
-warps), read in one load issued before the splits are combined."""
 
 BACK_PAIRS = 8
 """Splits' rows of o (one token's) an M1b combine step reads at once: [8, 512]
@@ -282,7 +289,7 @@ class M1bGeometry:
         return self.heads * self.blocks_per_head
 
 
-def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape) -> M1bGeometry:
+def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv: int = BACK_BLOCK_DV) -> M1bGeometry:
     return M1bGeometry(
         heads=cfg.num_attention_heads // tp,
         value=cfg.v_head_dim,
@@ -290,7 +297,7 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape) -> M1bGeo
         splits=shape.splits,
         w_v_fp8=shape.w_v_fp8,
         tokens_pad=max(DOT_MIN_TOKENS, next_pow2(tokens)),  # the w_v dot's M is the tokens
-        block_dv=min(BACK_BLOCK_DV, cfg.v_head_dim),
+        block_dv=min(block_dv, cfg.v_head_dim),
         pairs=BACK_PAIRS,
         stages=1 if tokens * -(-shape.splits // BACK_PAIRS) <= FOLD_UNPIPELINED_STEPS else BACK_STAGES,
     )
@@ -402,7 +409,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         vector_warps=4,
         seam_cols=seam_cols(H),
         route_chunk=route_chunk(E, cfg.num_experts_per_token),
-        m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b),
+        m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )
 

@@ -33,7 +33,7 @@ from k3mono import mla
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import MonoRunner
-from k3mono.planner import M1bShape, M1cShape, MonoOptions
+from k3mono.planner import M1bShape, M1cShape, MonoOptions, TileChoice
 from k3mono.reference import layer_post, layer_post_tp
 from k3mono.reference import mla as ref_mla
 from k3mono.runner import BUDGET_FACTOR, rel_err
@@ -191,6 +191,22 @@ def test_o_proj_weights_read_before_the_core_wait_change_no_bits():
     a = plain.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
     b = eager.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
     assert all(torch.equal(bits(getattr(a, n)), bits(getattr(b, n))) for n in NAMES)
+
+
+def test_m1b_tasks_of_fewer_value_rows_give_the_staged_chains_bits():
+    """TileChoice.m1b_rows 16: twice the M1B tasks (each recombines its head's
+    splits for half the value rows); every core element is the same dot, so the
+    launch gives the staged chain's bits (its M1b kernel at 32 rows a program)."""
+    cfg = preset("tiny")
+    shards = shard_all(layer_weights(), cfg, 1)
+    act = random_inputs(cfg, 1, LAYER, seed=6)
+    m1b_in = m1b_inputs(cfg, 1, 1, torch.bfloat16, seed=6)
+    options = MonoOptions(m1b=M1bShape(splits=SPLITS, latent=LATENT), tiles=TileChoice(m1b_rows=16))
+    runner = MonoRunner(cfg, shards, 1, LAYER, options=options)
+    geometry = runner.compiled.table.geometry.m1b
+    assert (geometry.block_dv, geometry.tasks) == (16, cfg.num_attention_heads * cfg.v_head_dim // 16)
+    runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
+    same_as_staged_chain(cfg, shards, 1, m1b_in, act, runner)
 
 
 # -- M1c in the launch too ------------------------------------------------------------------
