@@ -501,8 +501,8 @@ _SM90_CHECK = textwrap.dedent(
                  dict(H=7168, SC=512))
     compile_sm90(latent_norm._latent_norm_kernel,
                  {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "norm_ptr": "*bf16", "eps": "fp32",
-                  "out_ptr": "*bf16", "stride_os": "i32"},
-                 dict(T=8, L=3584, VB=1024))
+                  "out_ptr": "*bf16", "stride_os": "i32", "rank": "i32"},
+                 dict(T=8, L=3584, L_R=448, VB=1024))
     compile_sm90(route._route_part_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "keys_ptr": "*i64"},
                  dict(E=896, K=16, E_PAD=1024, RC=128))
     compile_sm90(route._route_merge_kernel,
