@@ -79,13 +79,14 @@ measured on the H200 (benchmarks/mono_sweep.py, docs/PERF.md), S = 1 went from
 111.3 to 106.8 us (mono) and from 110.6 to 105.2 (staged) in one run."""
 
 SEAM_COLS = 512
-SEAM_MIN_CHUNKS = 4
+SEAM_MIN_CHUNKS = 2
 """Columns of H a seam task covers (StageGeometry.seam_cols): the AttnRes seam
 is three steps of a task per (token, chunk) (kernels/attnres.py), so at H = 7168
 one token's seam spreads over 14 CTAs (one CTA took 14 us of the mono launch
 at S = 1). 512 columns keep a task's loads at one 16-byte vector per candidate
 and thread (4 warps); narrower configs get at least SEAM_MIN_CHUNKS chunks, so
-the small test presets sum partials across chunks as the released one does."""
+the small test presets sum partials across chunks (the last one partial) as the
+released one does; two, not more: the interpreter walks every task."""
 
 
 def seam_cols(hidden: int) -> int:
@@ -99,13 +100,14 @@ def seam_candidates_max(cfg: K3Config) -> int:
 
 
 ROUTE_CHUNK = 128
-ROUTE_MIN_PARTS = 4
+ROUTE_MIN_PARTS = 2
 """Experts a route part sorts (kernels/route.py): a token's top-K is the top-K
 of its parts' top-Ks, each a CTA; at E = 896, 7 parts of 128 and a merge of
 their 7 x 16 keys, instead of one CTA sorting 1024 keys (8 to 14 us of the mono
 launch at S = 1, its trace). Narrower configs get at least ROUTE_MIN_PARTS
 parts (never fewer experts than K_PAD a part), so the small test presets merge
-parts as the released one does."""
+parts (the last one partial) as the released one does; two, not more: the
+interpreter walks every task."""
 
 
 def route_chunk(num_experts: int, top_k: int) -> int:

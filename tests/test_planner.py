@@ -707,7 +707,7 @@ def test_oproj_and_final_rows_set_their_tasks_over_the_same_step_bytes(tokens, b
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(final_rows=12)))
 
 
-@pytest.mark.parametrize("name,chunks,parts", [("kimi-k3", 14, 7), ("tiny", 4, 4), ("small", 4, 4)])
+@pytest.mark.parametrize("name,chunks,parts", [("kimi-k3", 14, 7), ("tiny", 2, 2), ("small", 2, 2)])
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_seam_and_route_spread_each_token_over_ctas(name, chunks, parts, tokens):
     """The seam's three steps are a task per (token, chunk of H), the route's first
