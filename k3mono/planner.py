@@ -123,7 +123,9 @@ which one or two steps are weight loads (the trace at 517679f): the rest is
 what every task pays (its ticket, its table row, the push and the raise). 16,
 32 or 64 rows spread the same bytes over 2x, 4x or 8x fewer tasks, the step (in
 KB) unchanged, so K is taken in more, narrower steps; on the tl.dot path (16
-rows at least) likewise from 16."""
+rows at least) likewise from 16. Measured (docs/PERF.md): the mono launch takes
+32 / 32 (mono.DEFAULT_TILES); the staged path, a launch per stage with no
+ticket to pay, keeps 8."""
 
 EXPERT_ROWS = 32
 EXPERT_ROWS_CHOICES = (8, 16, 32)

@@ -28,7 +28,15 @@ from .reduce import sum_ranks
 
 
 @triton.jit
-def _rounded_sum(ar2_ptr, stride_at, stride_as, s, cols, mask, T: tl.constexpr):
+def _rounded_sum(
+    ar2_ptr,  # [T, S, L] fp32
+    stride_at,
+    stride_as,
+    s,  # token
+    cols,  # [VB] column indices
+    mask,  # [VB]
+    T: tl.constexpr,
+):
     """[VB] fp32: a = bf16(the ranks' sum) at cols (0 where masked)."""
     return as_f32(to_bf16(sum_ranks(ar2_ptr, stride_at, stride_as, s, cols, mask, T)))
 
@@ -36,7 +44,7 @@ def _rounded_sum(ar2_ptr, stride_at, stride_as, s, cols, mask, T: tl.constexpr):
 @triton.jit
 def latent_norm_task(
     s,  # token
-    rank,
+    rank,  # this rank: its L_R columns start at rank * L_R
     ar2_ptr,  # [T, S, L] fp32
     stride_at,
     stride_as,
