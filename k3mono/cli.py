@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .config import PRESETS
 from .errors import K3InputError
-from .planner import DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS
+from .planner import DENSE_STEP_KB, EXPERT_ROWS, HIDDEN_ROWS, ROUTER_ROWS
 from .validate import check_tokens
 
 CHECK_PRESET = "tiny"
@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"output rows of an MXFP4 expert task (default {EXPERT_ROWS})")
     plan.add_argument("--router-rows", type=int, default=ROUTER_ROWS,
                       help=f"rows of a router task on the FMA path, S <= 4 (default {ROUTER_ROWS})")
+    for knob, task in (("oproj", "an o_proj"), ("final", "a FINAL")):
+        plan.add_argument(f"--{knob}-rows", type=int, default=HIDDEN_ROWS,
+                          help=f"rows of {task} task (default {HIDDEN_ROWS}, the staged path's; mono.DEFAULT_TILES: its own)")
     plan.add_argument("--m1b-splits", type=int, default=None,
                       help="an MLA layer's table: M1b (combining this many M1c splits) runs first in the launch")
     ranks = sub.add_parser("ranks", help="T ranks of the mono launch exchanging for real, checked and timed")
@@ -234,7 +237,8 @@ def cmd_plan(args) -> int:
     m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
     options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b,
                           tiles=TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
-                                           router_rows=args.router_rows))
+                                           router_rows=args.router_rows, oproj_rows=args.oproj_rows,
+                                           final_rows=args.final_rows))
     table = plan(cfg, args.tp, args.tokens, args.sms, options)
     floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks,
                         m1b=m1b)
