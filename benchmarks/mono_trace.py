@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -31,8 +32,7 @@ from k3mono.bench import BENCH_LAYER, WEIGHT_SETS, mono_runners, time_mono
 from k3mono.bench_mla import fold_shape, m1b_runners, time_mono_m1b
 from k3mono.config import preset
 from k3mono.mono import DEFAULT_PREFETCH, DEFAULT_TILES, default_options
-from k3mono.planner import BACK_BLOCK_DV
-from k3mono.planner import TaskKind
+from k3mono.planner import BACK_BLOCK_DV, TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
 from k3mono.trace import format_summary, summarize
@@ -82,23 +82,22 @@ def main() -> None:
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     m1b_rows = args.m1b_rows if args.m1b else [BACK_BLOCK_DV]
+    if args.m1b:
+        runners_of = functools.partial(m1b_runners, layer=BENCH_LAYER)
+        time_of = functools.partial(time_mono_m1b, layer=BENCH_LAYER)
+    else:
+        runners_of, time_of = mono_runners, time_mono
     for tokens, sleep_ns, prefetch, rows in itertools.product(args.tokens, args.poll_sleep_ns, args.prefetch, m1b_rows):
         options = default_options(poll_sleep_ns=sleep_ns, m1b=fold_shape() if args.m1b else None,
                                   tiles=dataclasses.replace(DEFAULT_TILES, m1b_rows=rows))
-        if args.m1b:
-            runners = m1b_runners(cfg, args.tp, tokens, sets, BENCH_LAYER, options, trace=True, prefetch=prefetch)
-        else:
-            runners = mono_runners(cfg, args.tp, tokens, sets, trace=True, options=options, prefetch=prefetch)
+        runners = runners_of(cfg, args.tp, tokens, sets, options=options, trace=True, prefetch=prefetch)
         ranks = [runner.rank_states[0] for runner in runners]
         launch_us, spans = traced_launch(ranks)
         traced = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
         doubled = [doubled_text(ranks, kind) for kind in args.double]
         del runners, ranks
         torch.cuda.empty_cache()
-        if args.m1b:
-            plain = time_mono_m1b(cfg, args.tp, tokens, sets, BENCH_LAYER, options=options, prefetch=prefetch)
-        else:
-            plain = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch)
+        plain = time_of(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch)
         folded = f" M1b folded, {rows} value rows a task," if args.m1b else ""
         what = f"T={args.tp} S={tokens}{folded} prefetch {prefetch} poll sleep {sleep_ns} ns"
         print(f"{what}: traced launch {traced * 1e6:.1f} us, plain {plain * 1e6:.1f} us (CUDA-graph replay)\n"

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"rows of a router task on the FMA path, S <= 4 (default {ROUTER_ROWS})")
     for knob, task in (("oproj", "an o_proj"), ("final", "a FINAL")):
         plan.add_argument(f"--{knob}-rows", type=int, default=HIDDEN_ROWS,
-                          help=f"rows of {task} task (default {HIDDEN_ROWS}, the staged path's; mono.DEFAULT_TILES: its own)")
+                          help=f"rows of {task} task (default {HIDDEN_ROWS})")
     plan.add_argument("--m1b-splits", type=int, default=None,
                       help="an MLA layer's table: M1b (combining this many M1c splits) runs first in the launch")
     ranks = sub.add_parser("ranks", help="T ranks of the mono launch exchanging for real, checked and timed")

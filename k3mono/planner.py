@@ -371,15 +371,15 @@ def _gemv(rows: int, out_dim: int, in_dim: int, block_k: int, warps: int = 4, lo
                     lookahead=lookahead)
 
 
-def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int, fma_rows: int = FMA_TILE[0],
-           dot_rows: int = DOT_TILE[0]) -> GemvTile:
+def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int, rows: int = FMA_TILE[0]) -> GemvTile:
     """A dense bf16 GEMV tile for the path ``use_dot`` selects, its step widened
-    along K to ``step_kb`` KB of weight; ``fma_rows`` (FMA path) or ``dot_rows``
-    (tl.dot path) rows a task, the step as much shorter along K as it has more
+    along K to ``step_kb`` KB of weight; ``rows`` rows a task (on the tl.dot path
+    at least DOT_TILE's), the step as much shorter along K as the task has more
     rows than FMA_TILE or DOT_TILE (the same bytes a step)."""
     widen = step_kb // DENSE_STEP_KB
     if not use_dot:
-        return _gemv(fma_rows, out_dim, in_dim, FMA_TILE[1] * widen * FMA_TILE[0] // fma_rows)
+        return _gemv(rows, out_dim, in_dim, FMA_TILE[1] * widen * FMA_TILE[0] // rows)
+    dot_rows = max(DOT_TILE[0], rows)
     tile = _gemv(dot_rows, out_dim, in_dim, DOT_TILE[1] * widen * DOT_TILE[0] // dot_rows)
     return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
 
@@ -397,11 +397,11 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
-        oproj=_dense(H, C // tp, use_dot, step_kb, tiles.oproj_rows, max(DOT_TILE[0], tiles.oproj_rows)),
+        oproj=_dense(H, C // tp, use_dot, step_kb, tiles.oproj_rows),
         router=_dense(E // tp, H, use_dot, step_kb, tiles.router_rows),
         latent_down=_dense(L // tp, H, use_dot, step_kb),
         shared_gate_up=_dense(SI // tp, H, use_dot, step_kb),
-        final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows, max(DOT_TILE[0], tiles.final_rows)),
+        final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
         # MXFP4 tiles [groups, rows] (kernels/experts.py): 16 groups put 16 lanes on
         # consecutive 16-byte groups of a row and the 4 warps on rows, so each
         # thread keeps one group column over rows / 8 rows and reuses its
