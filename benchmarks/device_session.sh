@@ -9,7 +9,7 @@
 # (ranks ends with faults, the fault tests alone; ranks_t8 its first case, briefly); m1b: M1b alone and folded, briefly
 # (the sweep is where a new knob is decided: put it first when one is pending); profile:
 # Nsight Compute's counters of the staged stages and the mono launch (S = 1, 8); stalls: all
-# counters of the expert stages and the mono launch (S = 1); tiles: the sweep's expert tiles only;
+# counters of the expert stages and the mono launch (S = 1); tiles: the gate/up and down task rows (mono);
 # trace: where the mono launch's time goes, per task kind, from a trace build (S = 1, 8); trace_double: the
 # same at S = 1 with the route and latent norm run twice in a row;
 # defaults: the mono defaults against their alternatives; sleep: the trace at three pauses between polls;
@@ -19,7 +19,7 @@
 # FINAL prefetch (S = 1), the prefetch (S = 8); trace_m1b: the S = 1 trace with M1b folded in (prefetch 0 and 1)
 # beside the plain one; rows: the o_proj and FINAL task rows (mono, S = 1 and 8); rows64: 32 and 64 of them (mono)
 # and the staged path's; m1b_double: the M1b-folded launch with its M1B and OPROJ tasks run twice; m1b_rows: that
-# launch's trace at 16, 32 and 64 value rows an M1B task;
+# launch's trace at 16, 32 and 64 value rows an M1B task; m1c_tiles: M1c alone at other tiles and splits (32 K);
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -101,7 +101,7 @@ for s in $STEPS; do
         step bench_mla 500 python3 -m k3mono bench --tp --tokens $MLA_TOKENS --mla --contexts $MLA_CONTEXTS --kv $MLA_KV \
             --out "$RESULTS" ;;
     sweep)
-        step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --expert-rows 32 16 8
+        step mono_sweep 240 python3 benchmarks/mono_sweep.py --ctas 2 3:168 --prefetch 0 --gate-up-rows 32 16 --down-rows 32 16 8
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     trace)  # every ticket's SM and times, per task kind (a trace build), S = 1 and 8
         step mono_trace 200 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
@@ -126,17 +126,22 @@ for s in $STEPS; do
     trace_double)  # S = 1: the route and the latent norm run twice in a row (first-of-kind costs)
         step mono_trace_double 200 python3 benchmarks/mono_trace.py --tokens 1 --double ROUTE LATENT_NORM ;;
     defaults)  # the mono defaults against their alternatives (expert rows, pause between polls), S = 1 and 8
-        step mono_defaults 200 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-rows 32 16 \
+        step mono_defaults 200 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --down-rows 32 16 \
             --poll-sleep-ns 0 250
-        step mono_router_rows 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-rows 16 \
+        step mono_router_rows 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --down-rows 16 \
             --poll-sleep-ns 250 --router-rows 8 4 2 ;;
     sleep)  # the trace with waiting CTAs pausing 0, 250 and 1000 ns between polls, S = 1 and 8
         step mono_trace_sleep 300 python3 benchmarks/mono_trace.py --tokens 1 8 --poll-sleep-ns 0 250 1000 \
             --out "$RESULTS" ;;
     loops)  # the expert stages' hot loops: pipeline depth and unroll factor (staged)
         step expert_loops 200 python3 benchmarks/expert_loops.py --tokens 1 8 ;;
-    tiles)
-        step mono_tiles 240 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --expert-rows 32 16 8 ;;
+    tiles)  # gate/up and down task rows (TileChoice.gate_up_rows, down_rows), mono only, S = 1, 2 and 8
+        step mono_tiles_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
+            --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 8 --down-rows 32 16 8 --skip-staged
+        step mono_tiles_s28 200 python3 benchmarks/mono_sweep.py --tokens 2 8 --ctas 2 --prefetch 0 --expert-lookahead 1 \
+            --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 --down-rows 32 16 8 --skip-staged ;;
+    m1c_tiles)  # M1c alone at 32 K: positions a step, steps in flight, warps, splits (fp8, S = 1, 4, 16)
+        step m1c_tiles 260 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --budget-s 230 ;;
     stalls)  # every counter (the stall reasons among them) of the expert stages and the mono launch, S = 1
         step stalls_s1 200 ncu --clock-control none --profile-from-start off --set full \
             --kernel-name regex:"expert|mono" python3 benchmarks/profile_stages.py --tokens 1 --mono ;;

@@ -4,7 +4,7 @@ random inputs, outputs poisoned before each run, routes compared exactly with
 the bf16 reference, every rank's copy compared bit for bit.
 
     python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
-                                   [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--expert-rows 32]
+                                   [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--gate-up-rows 32] [--down-rows 32]
                                    [--router-rows 8] [--expert-lookahead 0]
 
 The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
@@ -160,7 +160,8 @@ def main() -> int:
     parser.add_argument("--skip-mono", action="store_true")
     parser.add_argument("--dense-step-kb", type=int, default=DEFAULT_TILES.dense_step_kb,
                         help="TileChoice.dense_step_kb")
-    parser.add_argument("--expert-rows", type=int, default=DEFAULT_TILES.expert_rows, help="TileChoice.expert_rows")
+    parser.add_argument("--gate-up-rows", type=int, default=DEFAULT_TILES.gate_up_rows, help="TileChoice.gate_up_rows")
+    parser.add_argument("--down-rows", type=int, default=DEFAULT_TILES.down_rows, help="TileChoice.down_rows")
     parser.add_argument("--router-rows", type=int, default=DEFAULT_TILES.router_rows, help="TileChoice.router_rows")
     parser.add_argument("--expert-lookahead", type=int, default=int(DEFAULT_TILES.expert_lookahead),
                         help="TileChoice.expert_lookahead (0 / 1)")
@@ -197,7 +198,7 @@ def main() -> int:
             del staged
         if not args.skip_mono:
             for tokens in args.tokens:
-                tiles = TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
+                tiles = TileChoice(dense_step_kb=args.dense_step_kb, gate_up_rows=args.gate_up_rows, down_rows=args.down_rows,
                                    router_rows=args.router_rows, expert_lookahead=bool(args.expert_lookahead),
                                    oproj_rows=args.oproj_rows, final_rows=args.final_rows)
                 options = default_options(ctas_per_sm=args.ctas_per_sm, tiles=tiles, poll_sleep_ns=args.poll_sleep_ns)

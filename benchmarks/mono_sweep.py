@@ -6,7 +6,7 @@ tiles in the same run (its stages too: whether smaller tasks help where the
 grid, not a register budget, sets how many warps an SM holds).
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
-                                    [--dense-step-kb 8 16 32] [--expert-rows 32 16 8] [--router-rows 8 4 2]
+                                    [--dense-step-kb 8 16 32] [--gate-up-rows 32 16 8] [--down-rows 32 16 8] [--router-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
                                     [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--skip-staged | --skip-mono]
 
@@ -47,7 +47,7 @@ def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> st
 
 
 def _tiles_text(tiles: TileChoice) -> str:
-    return (f"dense step {tiles.dense_step_kb} KB expert rows {tiles.expert_rows} router rows {tiles.router_rows} "
+    return (f"dense step {tiles.dense_step_kb} KB gate/up rows {tiles.gate_up_rows} down rows {tiles.down_rows} router rows {tiles.router_rows} "
             f"lookahead {int(tiles.expert_lookahead)} o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows}")
 
 
@@ -57,7 +57,8 @@ def main() -> None:
     parser.add_argument("--ctas", nargs="+", default=["1", "2", "3:168", "4:128"], help="CTAs a SM[:register cap]")
     parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--dense-step-kb", type=int, nargs="+", default=[DENSE_STEP_KB])
-    parser.add_argument("--expert-rows", type=int, nargs="+", default=[EXPERT_ROWS])
+    parser.add_argument("--gate-up-rows", type=int, nargs="+", default=[EXPERT_ROWS], help="TileChoice.gate_up_rows")
+    parser.add_argument("--down-rows", type=int, nargs="+", default=[EXPERT_ROWS], help="TileChoice.down_rows")
     parser.add_argument("--router-rows", type=int, nargs="+", default=[ROUTER_ROWS])
     parser.add_argument("--poll-sleep-ns", type=int, nargs="+", default=[0], help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--expert-lookahead", type=int, nargs="+", default=[int(EXPERT_LOOKAHEAD)],
@@ -72,9 +73,10 @@ def main() -> None:
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     for tokens in args.tokens:
-        choices = [TileChoice(dense_step_kb=k, expert_rows=e, router_rows=r, expert_lookahead=bool(la), oproj_rows=o,
-                              final_rows=f)
-                   for k, e, r, la, o, f in itertools.product(args.dense_step_kb, args.expert_rows, args.router_rows,
+        choices = [TileChoice(dense_step_kb=k, gate_up_rows=g, down_rows=d, router_rows=r, expert_lookahead=bool(la),
+                              oproj_rows=o, final_rows=f)
+                   for k, g, d, r, la, o, f in itertools.product(args.dense_step_kb, args.gate_up_rows, args.down_rows,
+                                                                 args.router_rows,
                                                               args.expert_lookahead, args.oproj_rows, args.final_rows)]
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)

@@ -1,7 +1,7 @@
 """What the mono kernel and the MXFP4 expert kernels cost an SM, read from
 their sm_90a builds without a GPU (k3mono/offline.py).
 
-    PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback] [--expert-rows 32]
+    PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback] [--gate-up-rows 32] [--down-rows 32]
 
 For the mono kernel: registers, spills and shared memory, hence the CTAs an
 SM holds (its grid is planned for DEFAULT_CTAS_PER_SM; CTAs past what fits
@@ -35,15 +35,16 @@ def main() -> int:
     parser.add_argument("--loopback", action="store_true", help="the benchmarks' loopback mono build (NP = 1)")
     parser.add_argument("--mla", default="", choices=["", "m1b", "m1c"],
                         help="an MLA layer's mono build: M1b, or M1c and M1b, folded in")
-    parser.add_argument("--expert-rows", type=int, default=EXPERT_ROWS, help="the mono build's TileChoice.expert_rows")
+    parser.add_argument("--gate-up-rows", type=int, default=EXPERT_ROWS, help="the mono build's TileChoice.gate_up_rows")
+    parser.add_argument("--down-rows", type=int, default=EXPERT_ROWS, help="the mono build's TileChoice.down_rows")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     print(f"sm_90a builds, preset kimi-k3, T={args.tp}; mono with {'loopback' if args.loopback else 'full'} peers, "
           f"planned {DEFAULT_CTAS_PER_SM} CTAs a SM on {offline.H200_SMS} SMs")
     for tokens in args.tokens:
-        tiles = TileChoice(expert_rows=args.expert_rows)
+        tiles = TileChoice(gate_up_rows=args.gate_up_rows, down_rows=args.down_rows)
         compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles)
-        print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} (expert rows {args.expert_rows}): grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
+        print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} (gate/up rows {args.gate_up_rows}, down rows {args.down_rows}): grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
         for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens):
             loop = max(offline.sass_loops(compiled), key=len)
             ops = offline.opcode_counts(loop)

@@ -125,16 +125,17 @@ def rotation(tokens: int, context: int, kv_dtype: str, device) -> list[MlaInputs
     return [first] + [make_inputs(tokens, context, kv_dtype, device, seed=s) for s in range(1, sets)]
 
 
-def attn_call(inputs: MlaInputs, splits: int):
-    """M1c into fixed outputs: (the call, o, lse)."""
+def attn_call(inputs: MlaInputs, splits: int, tile: dict | None = None):
+    """M1c into fixed outputs at ``tile`` (mla.ATTN_TILE's keys; its values unless given): (the call, o, lse)."""
     from .kernels.mla_attn import launch_mla_attn
     from .mla import ATTN_TILE, split_outputs
 
     o, lse = split_outputs(inputs.q, splits, LATENT_DIM)
+    tile = {**ATTN_TILE, **(tile or {})}
 
     def call():
         launch_mla_attn(inputs.q, inputs.kv, inputs.qsl, inputs.seq_lens, inputs.pages, inputs.indptr, inputs.scale,
-                        o, lse, kv_scale=inputs.kv_scale, **ATTN_TILE)
+                        o, lse, kv_scale=inputs.kv_scale, **tile)
 
     return call, o, lse
 

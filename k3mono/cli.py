@@ -72,8 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--ctas-per-sm", type=int, default=1, help="resident CTAs an SM is given (default 1)")
     plan.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB,
                       help=f"KB of weight a dense GEMV task loads a step (default {DENSE_STEP_KB})")
-    plan.add_argument("--expert-rows", type=int, default=EXPERT_ROWS,
-                      help=f"output rows of an MXFP4 expert task (default {EXPERT_ROWS})")
+    plan.add_argument("--gate-up-rows", type=int, default=EXPERT_ROWS,
+                      help=f"output rows of an MXFP4 gate/up task (default {EXPERT_ROWS})")
+    plan.add_argument("--down-rows", type=int, default=EXPERT_ROWS,
+                      help=f"output rows of an MXFP4 down task (default {EXPERT_ROWS})")
     plan.add_argument("--router-rows", type=int, default=ROUTER_ROWS,
                       help=f"rows of a router task on the FMA path, S <= 4 (default {ROUTER_ROWS})")
     for knob, task in (("oproj", "an o_proj"), ("final", "a FINAL")):
@@ -236,7 +238,7 @@ def cmd_plan(args) -> int:
     cfg = preset(args.preset)
     m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
     options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b,
-                          tiles=TileChoice(dense_step_kb=args.dense_step_kb, expert_rows=args.expert_rows,
+                          tiles=TileChoice(dense_step_kb=args.dense_step_kb, gate_up_rows=args.gate_up_rows, down_rows=args.down_rows,
                                            router_rows=args.router_rows, oproj_rows=args.oproj_rows,
                                            final_rows=args.final_rows))
     table = plan(cfg, args.tp, args.tokens, args.sms, options)

@@ -129,11 +129,26 @@ ticket to pay, keeps 8."""
 
 EXPERT_ROWS = 32
 EXPERT_ROWS_CHOICES = (8, 16, 32)
-"""Output rows of an MXFP4 expert task. At 32, S = 1 at TP8 has 192 gate/up
-tasks (16 experts x 12 tiles of I/T = 384) and 112 down tasks (L = 3584 / 32)
-for the mono launch's 264 CTAs: a third to a half of them idle, while each
-busy one streams about 100 KB alone. 16 or 8 rows (TileChoice.expert_rows)
-spread the same bytes over 2x or 4x the tasks, each thread holding fewer rows."""
+"""Output rows of an MXFP4 expert task, gate/up and down each their own
+(TileChoice.gate_up_rows, down_rows). At 32, S = 1 at TP8 has 192 gate/up tasks
+(16 experts x 12 tiles of I/T = 384) and 112 down tasks (L = 3584 / 32) for the
+mono launch's 264 CTAs: a third to a half of them idle, while each busy one
+streams about 100 KB alone. 16 or 8 rows spread the same bytes over 2x or 4x
+the tasks; a step keeps its bytes (EXPERT_STEP_GROUPS groups of EXPERT_ROWS
+rows), so K is taken in as many times fewer, wider steps."""
+
+EXPERT_STEP_GROUPS = 16
+"""MXFP4 groups of a row an expert step loads at EXPERT_ROWS rows (32 x 16
+groups of 16 bytes: 8 KB a matrix, 64 bytes a thread at 4 warps); a task of
+fewer rows loads as many more groups a step. 16 groups put 16 lanes on
+consecutive 16-byte groups of a row and the warps on rows, so each thread
+keeps one group column over several rows and reuses its activations for each
+(kernels/experts.py); down's input row is the K chosen experts' groups."""
+
+
+def expert_step_groups(rows: int) -> int:
+    """Groups of a row an expert step of ``rows`` rows loads (the same bytes as EXPERT_ROWS')."""
+    return EXPERT_STEP_GROUPS * EXPERT_ROWS // rows
 
 
 EXPERT_LOOKAHEAD = False
@@ -162,7 +177,8 @@ class TileChoice:
     EXPERT_LOOKAHEAD, HIDDEN_ROWS and BACK_BLOCK_DV)."""
 
     dense_step_kb: int = DENSE_STEP_KB
-    expert_rows: int = EXPERT_ROWS
+    gate_up_rows: int = EXPERT_ROWS
+    down_rows: int = EXPERT_ROWS
     router_rows: int = ROUTER_ROWS
     expert_lookahead: bool = EXPERT_LOOKAHEAD
     oproj_rows: int = HIDDEN_ROWS
@@ -175,8 +191,9 @@ class TileChoice:
         for name in ("oproj_rows", "final_rows"):
             if getattr(self, name) not in HIDDEN_ROWS_CHOICES:
                 raise K3InputError(f"tiles.{name}: expected one of {HIDDEN_ROWS_CHOICES}, got {getattr(self, name)!r}")
-        if self.expert_rows not in EXPERT_ROWS_CHOICES:
-            raise K3InputError(f"tiles.expert_rows: expected one of {EXPERT_ROWS_CHOICES}, got {self.expert_rows!r}")
+        for name in ("gate_up_rows", "down_rows"):
+            if getattr(self, name) not in EXPERT_ROWS_CHOICES:
+                raise K3InputError(f"tiles.{name}: expected one of {EXPERT_ROWS_CHOICES}, got {getattr(self, name)!r}")
         if self.router_rows not in ROUTER_ROWS_CHOICES:
             raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
         if not isinstance(self.expert_lookahead, bool):
@@ -218,6 +235,10 @@ ATTN_STAGES = 3
 split alone at S = 1, and a step (32 cache rows: 18 KB in fp8, 36 KB in bf16)
 covers about a microsecond of HBM latency only if the next two are already
 loading; three 36 KB bf16 stages still fit the 227 KB of an SM."""
+
+ATTN_WARPS = 4
+"""Warps of an M1c program launched alone (the mono launch's M1C tasks run at
+the launch's): the [16, 512] fp32 accumulator is 64 registers a thread at 4."""
 
 
 def next_pow2(n: int) -> int:
@@ -384,6 +405,12 @@ def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int, rows: int = F
     return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
 
 
+def _expert(rows: int, out_dim: int, in_dim: int, lookahead: bool) -> GemvTile:
+    """An MXFP4 expert tile [groups, rows] (kernels/experts.py): ``rows`` rows a
+    task, expert_step_groups(rows) groups a step."""
+    return _gemv(rows, out_dim, in_dim, expert_step_groups(rows) * MXFP4_GROUP, lookahead=lookahead)
+
+
 def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = None,
                    m1c: M1cShape | None = None, tiles: TileChoice = TileChoice()) -> StageGeometry:
     if not 1 <= tokens <= MAX_TOKENS:
@@ -402,13 +429,8 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         latent_down=_dense(L // tp, H, use_dot, step_kb),
         shared_gate_up=_dense(SI // tp, H, use_dot, step_kb),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
-        # MXFP4 tiles [groups, rows] (kernels/experts.py): 16 groups put 16 lanes on
-        # consecutive 16-byte groups of a row and the 4 warps on rows, so each
-        # thread keeps one group column over rows / 8 rows and reuses its
-        # activations for each; down's input row is the K chosen experts' groups.
-        expert_gate_up=_gemv(tiles.expert_rows, I // tp, L, 16 * MXFP4_GROUP, lookahead=tiles.expert_lookahead),
-        expert_down=_gemv(tiles.expert_rows, L, cfg.num_experts_per_token * I // tp, 16 * MXFP4_GROUP,
-                          lookahead=tiles.expert_lookahead),
+        expert_gate_up=_expert(tiles.gate_up_rows, I // tp, L, tiles.expert_lookahead),
+        expert_down=_expert(tiles.down_rows, L, cfg.num_experts_per_token * I // tp, tiles.expert_lookahead),
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
         seam_cols=seam_cols(H),

@@ -317,9 +317,9 @@ def plain_s3():
     return cfg, shards, inputs, MonoRunner(cfg, shards, tokens, layer)(**inputs)
 
 
-@pytest.mark.parametrize("tiles", [TileChoice(expert_rows=8), TileChoice(expert_rows=16), TileChoice(router_rows=8),
-                                   TileChoice(expert_lookahead=True)],
-                         ids=["expert-rows-8", "expert-rows-16", "router-rows-8", "expert-lookahead"])
+@pytest.mark.parametrize("tiles", [TileChoice(gate_up_rows=8, down_rows=16), TileChoice(gate_up_rows=16, down_rows=8),
+                                   TileChoice(router_rows=8), TileChoice(expert_lookahead=True)],
+                         ids=["gate-up-8-down-16", "gate-up-16-down-8", "router-rows-8", "expert-lookahead"])
 def test_other_task_shapes_change_no_bits(tiles, plain_s3):
     """Each output row's sums run over the same columns in the same order
     whatever the rows a task holds (the tiny preset's router step is capped at
@@ -332,7 +332,8 @@ def test_other_task_shapes_change_no_bits(tiles, plain_s3):
     tokens, layer = 3, 13
     narrow = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
     geometry = narrow.compiled.table.geometry
-    assert (geometry.expert_down.rows, geometry.router.rows) == (tiles.expert_rows, tiles.router_rows)
+    rows = (geometry.expert_gate_up.rows, geometry.expert_down.rows, geometry.router.rows)
+    assert rows == (tiles.gate_up_rows, tiles.down_rows, tiles.router_rows)
     assert geometry.expert_gate_up.lookahead == geometry.expert_down.lookahead == tiles.expert_lookahead
     assert same_bits(plain, narrow(**inputs))
 

@@ -648,20 +648,28 @@ def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
         plan(cfg, T, 1, 132, MonoOptions(tiles=TileChoice(dense_step_kb=12)))
 
 
+@pytest.mark.parametrize("kind, field", [(TaskKind.EXPERT_GU, "gate_up_rows"), (TaskKind.EXPERT_DOWN, "down_rows")])
 @pytest.mark.parametrize("rows", [8, 16])
-def test_fewer_expert_rows_make_more_expert_tasks_over_the_same_bytes(rows):
-    """TileChoice.expert_rows: 32 / rows times the MXFP4 tasks at S = 1, TP8, the
-    same weight bytes streamed, and the launch's waits still name lower tickets
-    (plan checks the invariant)."""
+def test_fewer_expert_rows_make_more_expert_tasks_over_the_same_bytes(rows, kind, field):
+    """TileChoice.gate_up_rows / down_rows: 32 / rows times that kind's MXFP4
+    tasks at S = 1, TP8 (the other kind's unchanged), each step as many bytes
+    (as many times more groups), the same weight bytes streamed, and the
+    launch's waits still name lower tickets (plan checks the invariant)."""
     cfg = preset("kimi-k3")
-    base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(expert_rows=rows)))
-    for kind in (TaskKind.EXPERT_GU, TaskKind.EXPERT_DOWN):
-        count = lambda t: sum(task.kind == kind for task in t.tasks)  # noqa: E731
-        assert count(narrow) == count(base) * 32 // rows, kind
+    tiles = TileChoice(**{field: rows})
+    base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, MonoOptions(tiles=tiles))
+    other = TaskKind.EXPERT_DOWN if kind == TaskKind.EXPERT_GU else TaskKind.EXPERT_GU
+    count = lambda t, k: sum(task.kind == k for task in t.tasks)  # noqa: E731
+    assert count(narrow, kind) == count(base, kind) * 32 // rows
+    assert count(narrow, other) == count(base, other)
+    stage = "expert_gate_up" if kind == TaskKind.EXPERT_GU else "expert_down"
+    b, n = getattr(base.geometry, stage), getattr(narrow.geometry, stage)
+    assert (n.rows, b.rows) == (rows, 32)
+    assert n.rows * n.block_k == b.rows * b.block_k == 32 * 16 * 32  # 16 groups of 32 rows a step
     streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
     assert streamed(narrow) == streamed(base)
-    with pytest.raises(K3InputError, match="expert_rows"):
-        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(expert_rows=12)))
+    with pytest.raises(K3InputError, match=field):
+        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(**{field: 12})))
 
 
 @pytest.mark.parametrize("rows", [4, 8])

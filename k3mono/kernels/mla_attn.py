@@ -385,7 +385,7 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
 
 
 def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n,
-                    stages) -> None:
+                    stages, warps) -> None:
     """M1c into o [splits, S, heads, DL] fp32 and lse [splits, S, heads] fp32 (their shapes
     give splits and DL). q [S, heads, DQK] bf16; kv [pages, page_size, DQK] bf16 or fp8
     e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32."""
@@ -400,5 +400,5 @@ def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_sc
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
         D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
-        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT,
+        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps,
     )

@@ -1,0 +1,86 @@
+"""M1c alone at other tiles (positions a step, steps in flight, warps) and split
+counts: what the KV stream reaches against the copy bandwidth (issue 7's target:
+80 % at 32 K). Each tile's o and lse are checked against the default tile's at
+the same splits (the online softmax's other step boundaries round otherwise:
+within MAX_REL_DIFF), so a tile that is fast and wrong cannot win.
+
+    python benchmarks/m1c_tiles.py [--tokens 1 4 16] [--context 32768] [--kv fp8 bf16]
+        [--block-n 32 64] [--stages 2 3 4] [--warps 4 8] [--budget-s 240]
+
+Splits: SPLITS_BY_TOKENS (about two and four programs an SM at S = 1, fewer
+splits as S grows, as bench_mla.fused_splits does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+
+SPLITS_BY_TOKENS = {1: (264, 528), 4: (66, 132), 16: (16, 33)}
+MAX_REL_DIFF = 2e-2
+"""Largest |o - o_default| / max |o_default| (and the same for the finite lse)
+a tile may show: bf16 operands rounded at other step boundaries move o by
+about 1e-3 of its scale."""
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    finite = torch.isfinite(b)
+    if not torch.equal(finite, torch.isfinite(a)):
+        return float("inf")
+    scale = b[finite].abs().max().clamp_min(1e-30)
+    return float((a[finite] - b[finite]).abs().max() / scale)
+
+
+def main() -> None:
+    from k3mono.bench_mla import attn_call, rotation
+    from k3mono.mla import ATTN_TILE
+    from k3mono.timing import copy_bandwidth, time_graph
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--kv", nargs="+", default=["fp8"], choices=["fp8", "bf16"])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; default tile {ATTN_TILE}", flush=True)
+    started = time.time()
+    for kv, tokens in itertools.product(args.kv, args.tokens):
+        sets = rotation(tokens, args.context, kv, device)
+        cache_bytes = sets[0].cache_bytes
+        for splits in SPLITS_BY_TOKENS.get(tokens, (16,)):
+            default_call, o_ref, lse_ref = attn_call(sets[0], splits)
+            default_call()
+            o_ref, lse_ref = o_ref.clone(), lse_ref.clone()
+            for block_n, stages, warps in itertools.product(args.block_n, args.stages, args.warps):
+                if time.time() - started > args.budget_s:
+                    print("budget spent: stopping", flush=True)
+                    return
+                tile = dict(block_n=block_n, stages=stages, warps=warps)
+                label = f"{kv} ctx {args.context} S={tokens:>2} splits {splits:>3} block_n {block_n} stages {stages} warps {warps}"
+                try:
+                    calls = [attn_call(inputs, splits, tile) for inputs in sets]
+                    first, o, lse = calls[0]
+                    o.fill_(float("nan"))
+                    first()
+                    diff = max(_rel_diff(o, o_ref), _rel_diff(lse, lse_ref))
+                    seconds = time_graph([call for call, _, _ in calls])
+                except RuntimeError as error:  # a tile past the SM's shared memory or registers
+                    print(f"{label}: FAIL {str(error).splitlines()[0]}", flush=True)
+                    continue
+                verdict = "ok" if diff <= MAX_REL_DIFF else f"WRONG (diff {diff:.1e})"
+                print(f"{label}: {1e6 * seconds:7.1f} us, {cache_bytes / seconds / bandwidth:4.0%} of copy, "
+                      f"diff {diff:.1e} {verdict}", flush=True)
+            torch.cuda.empty_cache()
+        del sets
+
+
+if __name__ == "__main__":
+    main()
