@@ -25,6 +25,7 @@ Prints one line per case and exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 
 from k3mono.config import preset
-from k3mono.mono import (DEFAULT_CTAS_PER_SM, DEFAULT_POLL_SLEEP_NS, DEFAULT_TILES, MonoRunner, default_options,
+from k3mono.mono import (DEFAULT_CTAS_PER_SM, DEFAULT_POLL_SLEEP_NS, MonoRunner, default_options, default_tiles,
                          device_sms)
 from k3mono.planner import MonoOptions, TileChoice
 from k3mono.runner import Oracle
@@ -133,7 +134,7 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, exp
     kernel holds ``occupy_sms`` SMs; judged against ``expected`` bit for bit.
     Returns the number of failures."""
     started = time.time()
-    runner = MonoRunner(cfg, shards, 1, LAYER, sms=ctas, options=default_options(ctas_per_sm=1))
+    runner = MonoRunner(cfg, shards, 1, LAYER, sms=ctas, options=default_options(1, ctas_per_sm=1))
     label = f"grid {runner.compiled.grid:>3} CTAs" + (f" beside a kernel on {occupy_sms} SMs" if occupy_sms else "")
     try:
         if occupy_sms:
@@ -152,21 +153,25 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, exp
     return 0 if same else 1
 
 
+def chosen_tiles(args, tokens: int) -> TileChoice:
+    """mono.default_tiles(tokens) with the fields given on the command line."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TileChoice)
+             if getattr(args, f.name, None) is not None}
+    if "expert_lookahead" in given:
+        given["expert_lookahead"] = bool(given["expert_lookahead"])
+    return dataclasses.replace(default_tiles(tokens), **given)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
-    parser.add_argument("--dense-step-kb", type=int, default=DEFAULT_TILES.dense_step_kb,
-                        help="TileChoice.dense_step_kb")
-    parser.add_argument("--gate-up-rows", type=int, default=DEFAULT_TILES.gate_up_rows, help="TileChoice.gate_up_rows")
-    parser.add_argument("--down-rows", type=int, default=DEFAULT_TILES.down_rows, help="TileChoice.down_rows")
-    parser.add_argument("--router-rows", type=int, default=DEFAULT_TILES.router_rows, help="TileChoice.router_rows")
-    parser.add_argument("--expert-lookahead", type=int, default=int(DEFAULT_TILES.expert_lookahead),
-                        help="TileChoice.expert_lookahead (0 / 1)")
-    parser.add_argument("--oproj-rows", type=int, default=DEFAULT_TILES.oproj_rows, help="TileChoice.oproj_rows")
-    parser.add_argument("--final-rows", type=int, default=DEFAULT_TILES.final_rows, help="TileChoice.final_rows")
+    for name in ("dense_step_kb", "gate_up_rows", "down_rows", "router_rows", "expert_lookahead", "oproj_rows",
+                 "final_rows"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                            help=f"TileChoice.{name} (default: mono.default_tiles(S)'s)")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--ctas-per-sm", type=int, default=DEFAULT_CTAS_PER_SM, help="MonoOptions.ctas_per_sm")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
@@ -198,10 +203,8 @@ def main() -> int:
             del staged
         if not args.skip_mono:
             for tokens in args.tokens:
-                tiles = TileChoice(dense_step_kb=args.dense_step_kb, gate_up_rows=args.gate_up_rows, down_rows=args.down_rows,
-                                   router_rows=args.router_rows, expert_lookahead=bool(args.expert_lookahead),
-                                   oproj_rows=args.oproj_rows, final_rows=args.final_rows)
-                options = default_options(ctas_per_sm=args.ctas_per_sm, tiles=tiles, poll_sleep_ns=args.poll_sleep_ns)
+                options = default_options(tokens, ctas_per_sm=args.ctas_per_sm, tiles=chosen_tiles(args, tokens),
+                                          poll_sleep_ns=args.poll_sleep_ns)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, options)
         if tp == 8:
             inputs, expected = default_grid_run(cfg, shards, device)

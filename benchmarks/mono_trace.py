@@ -31,7 +31,7 @@ import torch
 from k3mono.bench import BENCH_LAYER, WEIGHT_SETS, mono_runners, time_mono
 from k3mono.bench_mla import fold_shape, m1b_runners, time_mono_m1b
 from k3mono.config import preset
-from k3mono.mono import DEFAULT_PREFETCH, DEFAULT_TILES, default_options
+from k3mono.mono import DEFAULT_PREFETCH, default_options, default_tiles
 from k3mono.planner import BACK_BLOCK_DV, TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
@@ -88,8 +88,8 @@ def main() -> None:
     else:
         runners_of, time_of = mono_runners, time_mono
     for tokens, sleep_ns, prefetch, rows in itertools.product(args.tokens, args.poll_sleep_ns, args.prefetch, m1b_rows):
-        options = default_options(poll_sleep_ns=sleep_ns, m1b=fold_shape() if args.m1b else None,
-                                  tiles=dataclasses.replace(DEFAULT_TILES, m1b_rows=rows))
+        options = default_options(tokens, poll_sleep_ns=sleep_ns, m1b=fold_shape() if args.m1b else None,
+                                  tiles=dataclasses.replace(default_tiles(tokens), m1b_rows=rows))
         runners = runners_of(cfg, args.tp, tokens, sets, options=options, trace=True, prefetch=prefetch)
         ranks = [runner.rank_states[0] for runner in runners]
         launch_us, spans = traced_launch(ranks)

@@ -235,7 +235,7 @@ def m1b_runners(cfg, tp: int, tokens: int, weight_sets: list, layer: int, option
     from .mono import MonoRunner, default_options
     from .synthetic import random_inputs
 
-    options = options or default_options(m1b=fold_shape())
+    options = options or default_options(tokens, m1b=fold_shape())
     runners = []
     for seed, shard in enumerate(weight_sets):
         device = shard.o_proj.device
@@ -315,13 +315,13 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     attend()  # the split outputs the m1b runner's M1b reads
     staged_back, core = back_call(attn, o, lse)
     staged_back()
-    plain = MonoRunner(cfg, ranks, tokens, layer, options=default_options())
+    plain = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens))
     plain.load_inputs(core.repeat(1, tp), act["prefix"], act["blocks"])  # every rank's heads see rank 0's inputs
     back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
-    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=default_options(m1b=m1b))
+    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens, m1b=m1b))
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
     folded_c = MonoRunner(cfg, ranks, tokens, layer,
-                          options=default_options(m1b=m1b, m1c=m1c))
+                          options=default_options(tokens, m1b=m1b, m1c=m1c))
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {
         "separate": lambda: (attend(), back(), plain.launch(0)),

@@ -133,10 +133,24 @@ pause between polls moved S = 1 by -3.5 to +0.7 us and S = 8 by +0.4 to +2.0,
 within the runs' spread; 1000 ns cost 2.7. Spinning stays the default (no inline asm)."""
 
 
-def default_options(**choices) -> MonoOptions:
-    """MonoOptions at the measured defaults (DEFAULT_CTAS_PER_SM, DEFAULT_TILES,
-    DEFAULT_POLL_SLEEP_NS), any field overridden by ``choices``."""
-    fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=DEFAULT_TILES, poll_sleep_ns=DEFAULT_POLL_SLEEP_NS)
+SINGLE_TOKEN_DOWN_ROWS = 16
+"""Down task rows of the mono launch at S = 1 (the other sizes keep DEFAULT_TILES'
+32). At 32 rows S = 1 has 112 down tasks for 264 CTAs; 16 rows make 224, the
+same bytes a step. Measured on the H200 (benchmarks/mono_sweep.py --gate-up-rows
+--down-rows, docs/PERF.md): gate/up / down rows 32 / 32 89.5 us, 32 / 16 86.5,
+32 / 8 88.8, 16 / 16 86.0, 8 / 8 95.6; at S = 8 32 / 16 cost 16 us (240.2
+against 224.3) and fewer gate/up rows more."""
+
+
+def default_tiles(tokens: int) -> TileChoice:
+    """DEFAULT_TILES for S = ``tokens``: SINGLE_TOKEN_DOWN_ROWS down rows at S = 1."""
+    return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS) if tokens == 1 else DEFAULT_TILES
+
+
+def default_options(tokens: int, **choices) -> MonoOptions:
+    """MonoOptions at the measured defaults for S = ``tokens`` (DEFAULT_CTAS_PER_SM,
+    default_tiles, DEFAULT_POLL_SLEEP_NS), any field overridden by ``choices``."""
+    fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS)
     return MonoOptions(**{**fields, **choices})
 
 
@@ -805,7 +819,7 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
     the measured defaults (default_options, DEFAULT_PREFETCH) unless given."""
     from .kernels.attnres import num_candidates_pad
 
-    options = options or default_options()
+    options = options or default_options(tokens)
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
                      m1b=options.m1b, m1c=options.m1c, max_registers=max_registers,

@@ -155,7 +155,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     m1b = M1bShape(splits=FOLD_SPLITS, latent=512) if mla else None
     m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens) if mla == "m1c" else None
     chosen = {name: value for name, value in (("tiles", tiles), ("poll_sleep_ns", poll_sleep_ns)) if value is not None}
-    options = default_options(m1b=m1b, m1c=m1c, **chosen)
+    options = default_options(tokens, m1b=m1b, m1c=m1c, **chosen)
     key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options, max_registers=max_registers,
                    trace=trace)
     buffers = [torch.zeros(buffer_bytes(build(key).peer), dtype=torch.uint8) for _ in range(1 if loopback else tp)]

@@ -20,8 +20,8 @@ import triton
 
 from k3mono.config import preset
 from k3mono.errors import K3InputError
-from k3mono.mono import (DEFAULT_TILES, MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, peer_regions,
-                         scratch_regions)
+from k3mono.mono import (DEFAULT_TILES, SINGLE_TOKEN_DOWN_ROWS, MonoBuild, MonoRunner, MonoTimeout, build,
+                         buffer_bytes, mono_key, peer_regions, scratch_regions)
 from k3mono.planner import COL, MonoOptions, TileChoice
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
@@ -259,6 +259,17 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
         ratio = full[:, COL["wait0_count"]].float() / rows[:, COL["wait0_count"]].clamp_min(1).float()
         assert set(ratio.unique().tolist()) <= {0.0, 1.0, float(tp)}
     assert math.prod(rows.shape) > 0
+
+
+def test_default_tiles_take_fewer_down_rows_at_one_token_only():
+    """The measured defaults (mono.default_tiles): S = 1 takes SINGLE_TOKEN_DOWN_ROWS
+    down rows, every other S DEFAULT_TILES; a caller's options are kept as given."""
+    cfg = preset("kimi-k3")
+    tiles = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132).tiles for s in (1, 2, 8, 16)}
+    assert tiles[1] == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS) != DEFAULT_TILES
+    assert tiles[2] == tiles[8] == tiles[16] == DEFAULT_TILES
+    given = MonoOptions(tiles=TileChoice(down_rows=32))
+    assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).tiles == TileChoice(down_rows=32)
 
 
 def test_mono_rejects_more_than_16_tokens():
