@@ -20,7 +20,7 @@
 # beside the plain one; rows: the o_proj and FINAL task rows (mono, S = 1 and 8); rows64: 32 and 64 of them (mono)
 # and the staged path's; m1b_double: the M1b-folded launch with its M1B and OPROJ tasks run twice; m1b_rows: that
 # launch's trace at 16, 32 and 64 value rows an M1B task; m1c_tiles: M1c alone at other tiles and splits (32 K);
-# m1c_ahead: M1c with a step loaded ahead; tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case;
+# m1c_profile: M1c's counters (S = 4); tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -144,11 +144,11 @@ for s in $STEPS; do
     tiles_check)  # S = 1 and 2: down rows 32 against 16 (the S = 1 default), gate/up rows 32 (mono)
         step mono_tiles_check 150 python3 benchmarks/mono_sweep.py --tokens 1 2 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --down-rows 32 16 --skip-staged ;;
-    m1c_ahead)  # M1c alone at 32 K with a step loaded ahead or not (fp8, S = 1, 4, 16)
-        step m1c_ahead 200 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --block-n 32 64 --stages 1 3 --warps 4 \
-            --lookahead 0 1 --budget-s 180 ;;
     mla_check_one)  # the MLA check's one case: fp8 cache, 32 K, S = 1 (staged and the folds)
-        step gpu_check_mla_one 150 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 32768 --kv fp8 ;;
+        step gpu_check_mla_one 300 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 32768 --kv fp8 ;;
+    m1c_profile)  # Nsight Compute counters of M1c alone: fp8, 32 K, S = 4, 66 splits, the default tile
+        step m1c_profile 120 ncu --clock-control none --launch-count 1 --kernel-name regex:_mla_attn $NCU_SECTIONS \
+            python3 benchmarks/m1c_tiles.py --tokens 4 --block-n 32 --stages 3 --warps 4 --budget-s 20 ;;
     m1c_tiles)  # M1c alone at 32 K: positions a step, steps in flight, warps, splits (fp8, S = 1, 4, 16)
         step m1c_tiles 260 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --budget-s 230 ;;
     stalls)  # every counter (the stall reasons among them) of the expert stages and the mono launch, S = 1

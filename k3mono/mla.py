@@ -22,8 +22,8 @@ Geometry, and why:
   132 SMs of an H100/H200 once, while the split outputs M1b reads back
   (splits x heads x DL x 4 bytes = 384 KB a token) stay small next to a
   long context's cache read (576 bytes a position in fp8, 1152 in bf16).
-* ``ATTN_BLOCK_H``, ``ATTN_BLOCK_N``, ``ATTN_STAGES``, ``ATTN_WARPS`` and ``ATTN_LOOKAHEAD``: M1c's
-  tile (16 heads, 32 positions a step, 3 steps in flight, 4 warps, no lookahead); ``BACK_BLOCK_DV``, ``BACK_PAIRS`` and
+* ``ATTN_BLOCK_H``, ``ATTN_BLOCK_N``, ``ATTN_STAGES`` and ``ATTN_WARPS``: M1c's tile (16 heads,
+  32 positions a step, 3 steps in flight, 4 warps); ``BACK_BLOCK_DV``, ``BACK_PAIRS`` and
   ``BACK_STAGES``: M1b's (``ATTN_TILE``, ``BACK_TILE``); shared with the mono
   launch's M1C and M1B tasks, so the planner holds them (and why).
 
@@ -39,13 +39,12 @@ import torch
 from .errors import K3InputError
 from .kernels.mla_attn import check_mla_attn_args, check_q, launch_mla_attn, shape_text
 from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
-from .planner import ATTN_BLOCK_H, ATTN_BLOCK_N, ATTN_LOOKAHEAD, ATTN_STAGES, ATTN_WARPS, BACK_BLOCK_DV, BACK_PAIRS, BACK_STAGES
+from .planner import ATTN_BLOCK_H, ATTN_BLOCK_N, ATTN_STAGES, ATTN_WARPS, BACK_BLOCK_DV, BACK_PAIRS, BACK_STAGES
 from .reference.mla import LATENT_DIM
 
 DEFAULT_SPLITS = 16
 
-ATTN_TILE = dict(block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N, stages=ATTN_STAGES, warps=ATTN_WARPS,
-                 lookahead=ATTN_LOOKAHEAD)
+ATTN_TILE = dict(block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N, stages=ATTN_STAGES, warps=ATTN_WARPS)
 """launch_mla_attn's tile arguments, the planner's (M1cGeometry holds the same)."""
 
 BACK_TILE = dict(pairs=BACK_PAIRS, stages=BACK_STAGES, block_dv=BACK_BLOCK_DV)

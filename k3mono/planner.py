@@ -240,11 +240,6 @@ ATTN_WARPS = 4
 """Warps of an M1c program launched alone (the mono launch's M1C tasks run at
 the launch's): the [16, 512] fp32 accumulator is 64 registers a thread at 4."""
 
-ATTN_LOOKAHEAD = False
-"""An M1c program launched alone loads step i + 1's cache rows into registers
-before step i's math (36 registers a thread for an fp8 step at 4 warps, 72 in
-bf16), instead of leaving them to the software pipeline (ATTN_STAGES)."""
-
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())

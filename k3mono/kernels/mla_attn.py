@@ -32,10 +32,6 @@ and bf16 round per cache element it replaces made an fp8 cache slower than a
 bf16 one of twice the bytes (docs/PERF.md). It needs |q| * kv_scale below
 fp16's 65504 (latent queries are O(1) to O(100) and kv_scale is amax / 448).
 
-With LOOKAHEAD (planner.ATTN_LOOKAHEAD) a step's cache rows are loaded into
-registers during the step before, so their HBM round trip overlaps that step's
-math whether or not the software pipeline (STAGES) takes the loop; same bits.
-
 A program owns one query token, so a request's n query tokens read its cache
 n times; in exchange the grid (S, SPLITS, head blocks) is fixed for a given
 batch shape and needs no host read of the lengths. The heads of one token
@@ -144,32 +140,18 @@ def _cache_rows(
 
 
 @triton.jit
-def _step_tiles(
-    pos0,  # the step's first context position
-    hi,  # the split's end: no row at or past it is read (a lookahead past the last step reads nothing)
-    kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3
-    stride_kvp,
-    stride_kvr,
-    pages_ptr,  # [num_slots] int32
-    first_slot,
-    PAGE_SIZE: tl.constexpr,
-    D_LATENT: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+def _load_cols(
+    row_ptrs,  # [BLOCK_N] pointers to cache rows
+    live,  # [BLOCK_N]
+    cols,  # [D] column offsets
+    KV_FP8: tl.constexpr,
 ):
-    """The step's cache tiles as stored: [BLOCK_N, D_LATENT] and [BLOCK_N, D_ROPE], 0 past hi."""
-    pos = pos0 + tl.arange(0, BLOCK_N)
-    live = pos < hi
-    rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
-    lat = tl.arange(0, D_LATENT)
-    rope = D_LATENT + tl.arange(0, D_ROPE)
-    kv_lat = tl.load(rows[:, None] + lat[None, :], mask=live[:, None], other=0.0)
-    kv_rope = tl.load(rows[:, None] + rope[None, :], mask=live[:, None], other=0.0)
-    return kv_lat, kv_rope
+    """[BLOCK_N, D] cache tile as a dot operand (_cache_operand); rows past the range are 0."""
+    return _cache_operand(tl.load(row_ptrs[:, None] + cols[None, :], mask=live[:, None], other=0.0), KV_FP8)
 
 
 @triton.jit
-def _attend(
+def _attend_step(
     pos0,  # the step's first context position
     hi,  # the split's end
     m,  # [BLOCK_H] fp32 running max
@@ -177,17 +159,27 @@ def _attend(
     acc,  # [BLOCK_H, D_LATENT] fp32
     q_lat,  # [BLOCK_H, D_LATENT] the score dot's operand (_query_operand)
     q_rope,  # [BLOCK_H, D_ROPE]
-    kv_lat,  # [BLOCK_N, D_LATENT] the step's cache tiles as stored (_step_tiles): keys and values
-    kv_rope,  # [BLOCK_N, D_ROPE]
+    kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3
+    stride_kvp,
+    stride_kvr,
+    pages_ptr,  # [num_slots] int32
+    first_slot,
     scale,
+    PAGE_SIZE: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_ROPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One online-softmax step over positions pos0 .. pos0 + BLOCK_N - 1 (those < hi): (m, l, acc)."""
-    live = pos0 + tl.arange(0, BLOCK_N) < hi
-    kv_lat = _cache_operand(kv_lat, KV_FP8)
-    kv_rope = _cache_operand(kv_rope, KV_FP8)
+    lat = tl.arange(0, D_LATENT)
+    rope = D_LATENT + tl.arange(0, D_ROPE)
+    pos = pos0 + tl.arange(0, BLOCK_N)
+    live = pos < hi
+    rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
+    kv_lat = _load_cols(rows, live, lat, KV_FP8)  # [BLOCK_N, D_LATENT]: keys and values
+    kv_rope = _load_cols(rows, live, rope, KV_FP8)  # [BLOCK_N, D_ROPE]
     score = dot_acc(q_lat, tl.trans(kv_lat), tl.zeros([q_lat.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
     score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
     score = tl.where(live[None, :], score * scale, float("-inf"))
@@ -198,45 +190,6 @@ def _attend(
     l = l * rescale + tl.sum(as_f32(p), axis=1)
     acc = dot_acc(p, kv_lat, acc * rescale[:, None], UPCAST)
     return m_new, l, acc
-
-
-@triton.jit
-def _context_step(
-    pos0,  # the step's first context position
-    hi,  # the split's end
-    m,  # [BLOCK_H] fp32 running max
-    l,  # [BLOCK_H] fp32 running sum
-    acc,  # [BLOCK_H, D_LATENT] fp32
-    ahead_lat,  # LOOKAHEAD: [BLOCK_N, D_LATENT] this step's tiles, loaded the step before; else unused
-    ahead_rope,  # LOOKAHEAD: [BLOCK_N, D_ROPE]
-    q_lat,  # [BLOCK_H, D_LATENT] (_query_operand)
-    q_rope,  # [BLOCK_H, D_ROPE]
-    kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3
-    stride_kvp,
-    stride_kvr,
-    pages_ptr,  # [num_slots] int32
-    first_slot,
-    scale,
-    PAGE_SIZE: tl.constexpr,
-    D_LATENT: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    UPCAST: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
-):
-    """One step of the context loop: (m, l, acc, the next step's tiles or the placeholders).
-    With LOOKAHEAD the next step's cache rows are loaded into registers before
-    this step's math, so their HBM round trip overlaps it."""
-    if LOOKAHEAD:
-        kv_lat, kv_rope = ahead_lat, ahead_rope
-        ahead_lat, ahead_rope = _step_tiles(pos0 + BLOCK_N, hi, kv_ptr, stride_kvp, stride_kvr, pages_ptr,
-                                            first_slot, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N)
-    else:
-        kv_lat, kv_rope = _step_tiles(pos0, hi, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE,
-                                      D_LATENT, D_ROPE, BLOCK_N)
-    m, l, acc = _attend(pos0, hi, m, l, acc, q_lat, q_rope, kv_lat, kv_rope, scale, BLOCK_N, KV_FP8, UPCAST)
-    return m, l, acc, ahead_lat, ahead_rope
 
 
 @triton.jit
@@ -275,7 +228,6 @@ def mla_attn_task(
     STAGES: tl.constexpr,  # steps of the context loop in flight (software pipeline)
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
-    LOOKAHEAD: tl.constexpr = False,  # load step i + 1's cache rows into registers before step i's math
 ):
     """o[k, s, heads of the block] and lse[k, s, ...] (the module docstring's program);
     kernels/mono.py runs it as the M1C tasks of an MLA layer's launch."""
@@ -295,26 +247,18 @@ def mla_attn_task(
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
-    if LOOKAHEAD:
-        ahead_lat, ahead_rope = _step_tiles(lo, hi, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE,
-                                            D_LATENT, D_ROPE, BLOCK_N)
-    else:  # loop-carried placeholders the steps pass along untouched
-        ahead_lat = tl.zeros([1], dtype=tl.int8)
-        ahead_rope = tl.zeros([1], dtype=tl.int8)
     if RANGE_BY_WHILE:
         pos0 = lo
         while pos0 < hi:
-            m, l, acc, ahead_lat, ahead_rope = _context_step(
-                pos0, hi, m, l, acc, ahead_lat, ahead_rope, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr, pages_ptr,
-                first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST, LOOKAHEAD)
+            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
+                                     pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
             pos0 += BLOCK_N
     else:
         # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
         # loads in flight (a while loop streams one step at a time).
         for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            m, l, acc, ahead_lat, ahead_rope = _context_step(
-                pos0, hi, m, l, acc, ahead_lat, ahead_rope, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr, pages_ptr,
-                first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST, LOOKAHEAD)
+            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
+                                     pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
 
     seen = l > 0
     if KV_FP8:
@@ -358,12 +302,11 @@ def _mla_attn_kernel(
     STAGES: tl.constexpr,
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
 ):
     mla_attn_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, stride_qs, stride_qh, kv_ptr,
                   stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr, scale, o_ptr,
                   stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls, HEADS, B, BP, PAGE_SIZE, D_LATENT,
-                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST, LOOKAHEAD)
+                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST)
 
 
 def shape_text(t) -> str:
@@ -442,7 +385,7 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
 
 
 def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n,
-                    stages, warps, lookahead) -> None:
+                    stages, warps) -> None:
     """M1c into o [splits, S, heads, DL] fp32 and lse [splits, S, heads] fp32 (their shapes
     give splits and DL). q [S, heads, DQK] bf16; kv [pages, page_size, DQK] bf16 or fp8
     e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32."""
@@ -457,5 +400,5 @@ def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_sc
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
         D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
-        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, LOOKAHEAD=lookahead, num_warps=warps,
+        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps,
     )
