@@ -20,7 +20,7 @@
 # beside the plain one; rows: the o_proj and FINAL task rows (mono, S = 1 and 8); rows64: 32 and 64 of them (mono)
 # and the staged path's; m1b_double: the M1b-folded launch with its M1B and OPROJ tasks run twice; m1b_rows: that
 # launch's trace at 16, 32 and 64 value rows an M1B task; m1c_tiles: M1c alone at other tiles and splits (32 K);
-# m1c_profile: M1c's counters (S = 4); m1c_registers: M1c under register caps; tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case;
+# m1c_profile: M1c's counters (S = 4); tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -149,9 +149,6 @@ for s in $STEPS; do
     m1c_profile)  # Nsight Compute counters of M1c alone: fp8, 32 K, S = 4, 66 splits, the default tile
         step m1c_profile 120 ncu --clock-control none --launch-count 1 --kernel-name regex:_mla_attn $NCU_SECTIONS \
             python3 benchmarks/m1c_tiles.py --tokens 4 --block-n 32 --stages 3 --warps 4 --budget-s 20 ;;
-    m1c_registers)  # M1c alone at 32 K under register caps (255 uncapped: 2 programs a SM; fp8, S = 1, 4, 16)
-        step m1c_registers 150 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --block-n 32 --stages 3 --warps 4 \
-            --max-registers 0 128 168 --budget-s 120 ;;
     m1c_tiles)  # M1c alone at 32 K: positions a step, steps in flight, warps, splits (fp8, S = 1, 4, 16)
         step m1c_tiles 260 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --budget-s 230 ;;
     stalls)  # every counter (the stall reasons among them) of the expert stages and the mono launch, S = 1

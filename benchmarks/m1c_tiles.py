@@ -1,12 +1,11 @@
-"""M1c alone at other tiles (positions a step, steps in flight, warps, a register cap) and split
+"""M1c alone at other tiles (positions a step, steps in flight, warps) and split
 counts: what the KV stream reaches against the copy bandwidth (issue 7's target:
 80 % at 32 K). Each tile's o and lse are checked against the default tile's at
 the same splits (the online softmax's other step boundaries round otherwise:
 within MAX_REL_DIFF), so a tile that is fast and wrong cannot win.
 
     python benchmarks/m1c_tiles.py [--tokens 1 4 16] [--context 32768] [--kv fp8 bf16]
-        [--block-n 32 64] [--stages 2 3 4] [--warps 4 8] [--max-registers 0 128 168]
-        [--budget-s 240]
+        [--block-n 32 64] [--stages 2 3 4] [--warps 4 8] [--budget-s 240]
 
 Splits: SPLITS_BY_TOKENS (about two and four programs an SM at S = 1, fewer
 splits as S grows, as bench_mla.fused_splits does).
@@ -47,7 +46,6 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--max-registers", type=int, nargs="+", default=[0], help="ptxas's cap a thread (0: none)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -61,14 +59,12 @@ def main() -> None:
             default_call, o_ref, lse_ref = attn_call(sets[0], splits)
             default_call()
             o_ref, lse_ref = o_ref.clone(), lse_ref.clone()
-            for block_n, stages, warps, cap in itertools.product(args.block_n, args.stages, args.warps,
-                                                                 args.max_registers):
+            for block_n, stages, warps in itertools.product(args.block_n, args.stages, args.warps):
                 if time.time() - started > args.budget_s:
                     print("budget spent: stopping", flush=True)
                     return
-                tile = dict(block_n=block_n, stages=stages, warps=warps, max_registers=cap or None)
-                label = (f"{kv} ctx {args.context} S={tokens:>2} splits {splits:>3} block_n {block_n} stages {stages} "
-                         f"warps {warps} registers {cap or 'any'}")
+                tile = dict(block_n=block_n, stages=stages, warps=warps)
+                label = f"{kv} ctx {args.context} S={tokens:>2} splits {splits:>3} block_n {block_n} stages {stages} warps {warps}"
                 try:
                     calls = [attn_call(inputs, splits, tile) for inputs in sets]
                     first, o, lse = calls[0]

@@ -385,11 +385,10 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
 
 
 def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n,
-                    stages, warps, max_registers=None) -> None:
+                    stages, warps) -> None:
     """M1c into o [splits, S, heads, DL] fp32 and lse [splits, S, heads] fp32 (their shapes
     give splits and DL). q [S, heads, DQK] bf16; kv [pages, page_size, DQK] bf16 or fp8
-    e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32.
-    max_registers: ptxas's cap a thread (Triton's maxnreg; compiled builds only), None the compiler's choice."""
+    e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32."""
     check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale)
     tokens, heads, dqk = q.shape
     splits, latent = o.shape[0], o.shape[3]
@@ -402,5 +401,4 @@ def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_sc
         HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
         D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
         KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps,
-        **({} if max_registers is None or common.INTERPRET else {"maxnreg": max_registers}),
     )
