@@ -2,30 +2,50 @@
 their sm_90a builds without a GPU (k3mono/offline.py).
 
     PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback] [--gate-up-rows 32] [--down-rows 32]
+    PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
 
 For the mono kernel: registers, spills and shared memory, hence the CTAs an
 SM holds (its grid is planned for DEFAULT_CTAS_PER_SM; CTAs past what fits
 wait for a whole earlier CTA to end). For the expert kernels: the same, and
-their hot loop's SASS: instructions a weight value, by opcode.
+their hot loop's SASS: instructions a weight value, by opcode. With
+--m1c-alone: M1c launched alone (fp8 and bf16 cache), its context loop's
+instructions a step, the shared-memory and tensor-core ones by opcode.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # real builds, not the interpreter
 
 from k3mono import offline  # noqa: E402
 from k3mono.config import preset  # noqa: E402
-from k3mono.mono import DEFAULT_CTAS_PER_SM  # noqa: E402
-from k3mono.planner import EXPERT_ROWS, TileChoice  # noqa: E402
+from k3mono.mono import DEFAULT_CTAS_PER_SM, default_tiles  # noqa: E402
+
+M1C_SPLITS = {1: 264, 4: 66, 16: 16}  # bench_mla.fused_splits at 132 SMs
+M1C_CONTEXT = 2048  # the build does not depend on it (runtime lengths)
+M1C_OPCODES = ("LDS", "LDSM", "STS", "LDGSTS", "F2FP", "HMMA", "BAR")
 
 def usage_text(compiled) -> str:
     usage = offline.resource_usage(compiled)
     fits = offline.ctas_per_sm(usage, compiled.metadata.num_warps)
     return (f"{compiled.metadata.num_warps} warps, {usage['registers']} registers, stack {usage['stack']} B, "
             f"shared {usage['shared']} B -> {fits} CTAs fit a SM")
+
+
+def m1c_alone(tokens_list) -> int:
+    for kv in ("fp8", "bf16"):
+        for tokens in tokens_list:
+            splits = M1C_SPLITS.get(tokens, 16)
+            compiled, grid = offline.m1c_build(kv, tokens, splits, M1C_CONTEXT)
+            loop = max(offline.sass_loops(compiled), key=len)
+            ops = offline.opcode_counts(loop)
+            named = ", ".join(f"{op} {ops[op]}" for op in M1C_OPCODES)
+            print(f"M1c {kv} S={tokens:>2} {splits} splits: grid {grid[0] * grid[1] * grid[2]} programs, "
+                  f"{usage_text(compiled)}; context step {len(loop)} instructions ({named})", flush=True)
+    return 0
 
 
 def main() -> int:
@@ -35,16 +55,23 @@ def main() -> int:
     parser.add_argument("--loopback", action="store_true", help="the benchmarks' loopback mono build (NP = 1)")
     parser.add_argument("--mla", default="", choices=["", "m1b", "m1c"],
                         help="an MLA layer's mono build: M1b, or M1c and M1b, folded in")
-    parser.add_argument("--gate-up-rows", type=int, default=EXPERT_ROWS, help="the mono build's TileChoice.gate_up_rows")
-    parser.add_argument("--down-rows", type=int, default=EXPERT_ROWS, help="the mono build's TileChoice.down_rows")
+    parser.add_argument("--gate-up-rows", type=int, default=None,
+                        help="the mono build's TileChoice.gate_up_rows (default: mono.default_tiles(S)'s)")
+    parser.add_argument("--down-rows", type=int, default=None,
+                        help="the mono build's TileChoice.down_rows (default: mono.default_tiles(S)'s)")
+    parser.add_argument("--m1c-alone", action="store_true", help="M1c launched alone instead (fp8 and bf16 cache)")
     args = parser.parse_args()
+    if args.m1c_alone:
+        return m1c_alone(args.tokens)
     cfg = preset("kimi-k3")
     print(f"sm_90a builds, preset kimi-k3, T={args.tp}; mono with {'loopback' if args.loopback else 'full'} peers, "
           f"planned {DEFAULT_CTAS_PER_SM} CTAs a SM on {offline.H200_SMS} SMs")
     for tokens in args.tokens:
-        tiles = TileChoice(gate_up_rows=args.gate_up_rows, down_rows=args.down_rows)
+        given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows}
+        tiles = dataclasses.replace(default_tiles(tokens), **{k: v for k, v in given.items() if v is not None})
         compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles)
-        print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} (gate/up rows {args.gate_up_rows}, down rows {args.down_rows}): grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
+        print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} (gate/up rows {tiles.gate_up_rows}, down rows "
+              f"{tiles.down_rows}): grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
         for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens):
             loop = max(offline.sass_loops(compiled), key=len)
             ops = offline.opcode_counts(loop)

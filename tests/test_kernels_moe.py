@@ -443,6 +443,9 @@ _SM90_BUILDS = textwrap.dedent(
     compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, max_registers=168)  # the cap reaches ptxas
     usage = offline.resource_usage(compiled)
     assert usage["registers"] <= 168 and offline.ctas_per_sm(usage, compiled.metadata.num_warps) == 3, usage
+    compiled, grid = offline.m1c_build("fp8", 1, 264, 2048)  # M1c alone, as bench_mla launches it
+    usage = offline.resource_usage(compiled)
+    assert grid == (1, 264, 1) and usage["stack"] == 0 and offline.ctas_per_sm(usage, 4) >= 2, (grid, usage)
     compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, trace=True, poll_sleep_ns=200)
     ptx = compiled.asm["ptx"]  # k3mono/trace.py's readings; the pause between polls
     assert "%globaltimer" in ptx and "%smid" in ptx and "nanosleep.u32" in ptx
@@ -455,7 +458,8 @@ def test_sm90_builds_place_nibbles_with_imad_and_mono_fits_its_planned_ctas():
     """Offline Hopper builds (k3mono/offline.py, no GPU): the expert kernels' hot
     loops place each nibble with one IMAD and do not spill; the mono kernel
     compiles, plain and with M1c and M1b folded in, and its registers leave room
-    for the CTAs a SM its grid is planned for; a trace build reads the
+    for the CTAs a SM its grid is planned for; M1c alone fits two programs a SM
+    without spilling; a trace build reads the
     global timer, and waits can pause between polls. Runs in a child process: the
     interpreter, on in this one, cannot compile."""
     pytest.importorskip("triton.backends.nvidia")
