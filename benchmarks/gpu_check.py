@@ -4,8 +4,8 @@ random inputs, outputs poisoned before each run, routes compared exactly with
 the bf16 reference, every rank's copy compared bit for bit.
 
     python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
-                                   [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--gate-up-rows 32] [--down-rows 32]
-                                   [--router-rows 8] [--expert-lookahead 0]
+                                   [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--gate-up-rows 32]
+                                   [--down-rows 32] [--router-rows 8] [--expert-lookahead 0]
 
 The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
 T = 8 with every rank in loopback) eagerly, then captures the T launches in

@@ -64,7 +64,8 @@ def main() -> None:
                     print("budget spent: stopping", flush=True)
                     return
                 tile = dict(block_n=block_n, stages=stages, warps=warps)
-                label = f"{kv} ctx {args.context} S={tokens:>2} splits {splits:>3} block_n {block_n} stages {stages} warps {warps}"
+                label = (f"{kv} ctx {args.context} S={tokens:>2} splits {splits:>3} block_n {block_n} stages {stages} "
+                         f"warps {warps}")
                 try:
                     calls = [attn_call(inputs, splits, tile) for inputs in sets]
                     first, o, lse = calls[0]

@@ -6,7 +6,8 @@ tiles in the same run (its stages too: whether smaller tasks help where the
 grid, not a register budget, sets how many warps an SM holds).
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
-                                    [--dense-step-kb 8 16 32] [--gate-up-rows 32 16 8] [--down-rows 32 16 8] [--router-rows 8 4 2]
+                                    [--dense-step-kb 8 16 32] [--gate-up-rows 32 16 8] [--down-rows 32 16 8]
+                                    [--router-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
                                     [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--skip-staged | --skip-mono]
 
@@ -47,8 +48,9 @@ def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> st
 
 
 def _tiles_text(tiles: TileChoice) -> str:
-    return (f"dense step {tiles.dense_step_kb} KB gate/up rows {tiles.gate_up_rows} down rows {tiles.down_rows} router rows {tiles.router_rows} "
-            f"lookahead {int(tiles.expert_lookahead)} o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows}")
+    return (f"dense step {tiles.dense_step_kb} KB gate/up rows {tiles.gate_up_rows} down rows {tiles.down_rows} "
+            f"router rows {tiles.router_rows} lookahead {int(tiles.expert_lookahead)} o_proj rows {tiles.oproj_rows} "
+            f"final rows {tiles.final_rows}")
 
 
 def main() -> None:
@@ -75,9 +77,9 @@ def main() -> None:
     for tokens in args.tokens:
         choices = [TileChoice(dense_step_kb=k, gate_up_rows=g, down_rows=d, router_rows=r, expert_lookahead=bool(la),
                               oproj_rows=o, final_rows=f)
-                   for k, g, d, r, la, o, f in itertools.product(args.dense_step_kb, args.gate_up_rows, args.down_rows,
-                                                                 args.router_rows,
-                                                              args.expert_lookahead, args.oproj_rows, args.final_rows)]
+                   for k, g, d, r, la, o, f in itertools.product(
+                       args.dense_step_kb, args.gate_up_rows, args.down_rows, args.router_rows, args.expert_lookahead,
+                       args.oproj_rows, args.final_rows)]
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
         knobs = itertools.product(args.prefetch, args.prefetch_final, args.poll_sleep_ns, args.ctas,

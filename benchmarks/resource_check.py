@@ -1,7 +1,8 @@
 """What the mono kernel and the MXFP4 expert kernels cost an SM, read from
 their sm_90a builds without a GPU (k3mono/offline.py).
 
-    PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback] [--gate-up-rows 32] [--down-rows 32]
+    PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback]
+        [--gate-up-rows 32] [--down-rows 32]
     PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
 
 For the mono kernel: registers, spills and shared memory, hence the CTAs an

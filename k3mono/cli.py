@@ -238,9 +238,9 @@ def cmd_plan(args) -> int:
     cfg = preset(args.preset)
     m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
     options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b,
-                          tiles=TileChoice(dense_step_kb=args.dense_step_kb, gate_up_rows=args.gate_up_rows, down_rows=args.down_rows,
-                                           router_rows=args.router_rows, oproj_rows=args.oproj_rows,
-                                           final_rows=args.final_rows))
+                          tiles=TileChoice(dense_step_kb=args.dense_step_kb, gate_up_rows=args.gate_up_rows,
+                                           down_rows=args.down_rows, router_rows=args.router_rows,
+                                           oproj_rows=args.oproj_rows, final_rows=args.final_rows))
     table = plan(cfg, args.tp, args.tokens, args.sms, options)
     floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks,
                         m1b=m1b)

@@ -156,7 +156,8 @@ def test_smaller_tiles_give_the_same_bits():
     inputs = on_device(random_inputs(cfg, tokens, layer, seed=31))
     shards = [w.to(DEVICE) for w in shard_all(layer_weights(), cfg, tp)]
     plain = StagedLayer(cfg, shards, tokens, layer)(**inputs)
-    small = StagedLayer(cfg, shards, tokens, layer, tiles=TileChoice(gate_up_rows=8, down_rows=8, router_rows=8))(**inputs)
+    tiles = TileChoice(gate_up_rows=8, down_rows=8, router_rows=8)
+    small = StagedLayer(cfg, shards, tokens, layer, tiles=tiles)(**inputs)
     for name in ("moe_out", "prefix", "route_ids", "route_weights"):
         a, b = getattr(plain, name), getattr(small, name)
         if a.is_floating_point():
