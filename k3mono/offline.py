@@ -173,16 +173,11 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
 
 def m1c_build(kv_dtype: str, tokens: int, splits: int, context: int):
     """M1c alone as bench_mla launches it (one request a token, its default tile): (compiled, grid)."""
-    from .bench_mla import make_inputs
+    from .bench_mla import attn_call, make_inputs
     from .kernels import mla_attn
-    from .mla import ATTN_TILE, split_outputs
-    from .reference.mla import LATENT_DIM
 
-    inputs = make_inputs(tokens, context, kv_dtype, torch.device("cpu"), seed=0)
-    o, lse = split_outputs(inputs.q, splits, LATENT_DIM)
-    return build_launch(mla_attn._mla_attn_kernel, lambda: mla_attn.launch_mla_attn(
-        inputs.q, inputs.kv, inputs.qsl, inputs.seq_lens, inputs.pages, inputs.indptr, inputs.scale, o, lse,
-        kv_scale=inputs.kv_scale, **ATTN_TILE))
+    call, _, _ = attn_call(make_inputs(tokens, context, kv_dtype, torch.device("cpu"), seed=0), splits)
+    return build_launch(mla_attn._mla_attn_kernel, call)
 
 
 def expert_builds(cfg, tp: int, tokens: int):
