@@ -2,7 +2,7 @@
 their sm_90a builds without a GPU (k3mono/offline.py).
 
     PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback]
-        [--gate-up-rows 32] [--down-rows 32]
+        [--gate-up-rows 32] [--down-rows 32] [--prefetch 0]
     PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
 
 For the mono kernel: registers, spills and shared memory, hence the CTAs an
@@ -23,7 +23,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # real builds, not the interpreter
 
 from k3mono import offline  # noqa: E402
 from k3mono.config import preset  # noqa: E402
-from k3mono.mono import DEFAULT_CTAS_PER_SM, default_tiles  # noqa: E402
+from k3mono.mono import DEFAULT_CTAS_PER_SM, DEFAULT_PREFETCH, default_tiles  # noqa: E402
 
 M1C_SPLITS = {1: 264, 4: 66, 16: 16}  # bench_mla.fused_splits at 132 SMs
 M1C_CONTEXT = 2048  # the build does not depend on it (runtime lengths)
@@ -60,6 +60,7 @@ def main() -> int:
                         help="the mono build's TileChoice.gate_up_rows (default: mono.default_tiles(S)'s)")
     parser.add_argument("--down-rows", type=int, default=None,
                         help="the mono build's TileChoice.down_rows (default: mono.default_tiles(S)'s)")
+    parser.add_argument("--prefetch", type=int, default=None, help="the mono prefetch mode (mono.MonoBuild.prefetch)")
     parser.add_argument("--m1c-alone", action="store_true", help="M1c launched alone instead (fp8 and bf16 cache)")
     args = parser.parse_args()
     if args.m1c_alone:
@@ -67,12 +68,14 @@ def main() -> int:
     cfg = preset("kimi-k3")
     print(f"sm_90a builds, preset kimi-k3, T={args.tp}; mono with {'loopback' if args.loopback else 'full'} peers, "
           f"planned {DEFAULT_CTAS_PER_SM} CTAs a SM on {offline.H200_SMS} SMs")
+    prefetch = DEFAULT_PREFETCH if args.prefetch is None else args.prefetch
     for tokens in args.tokens:
         given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows}
         tiles = dataclasses.replace(default_tiles(tokens), **{k: v for k, v in given.items() if v is not None})
-        compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles)
+        compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles,
+                                             prefetch=prefetch)
         print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} (gate/up rows {tiles.gate_up_rows}, down rows "
-              f"{tiles.down_rows}): grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
+              f"{tiles.down_rows}, prefetch {prefetch}): grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
         for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens):
             loop = max(offline.sass_loops(compiled), key=len)
             ops = offline.opcode_counts(loop)

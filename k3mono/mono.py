@@ -102,6 +102,11 @@ def _interpreting() -> bool:
 
 
 TRACE_WORDS = 4  # kernels/mono.py: a traced ticket's SM, taken, ready, done
+PREFETCH_MODES = (0, 1, 2, 3)
+"""Weights asked into L2 before a task's waits (kernels/mono.py, one bulk
+prefetch a range from one thread): 0 never, 1 when a wait would block, 2
+always, 3 always and every EXPERT_GU task also its share of its expert's down
+rows (all routed weights requested as soon as the route is known)."""
 DEFAULT_PREFETCH = 0
 MAX_POLL_SLEEP_NS = 1000
 """The longest pause between polls: a wait's bound is counted in polls
@@ -164,7 +169,7 @@ class MonoBuild:
     loopback: bool = False
     sms: int = 1  # the grid is planned for this many SMs (1 under the interpreter: device_sms)
     ctas_per_sm: int = 1
-    prefetch: int = DEFAULT_PREFETCH  # 0 never, 1 when a wait would block, 2 always
+    prefetch: int = DEFAULT_PREFETCH  # 0 never, 1 when a wait would block, 2 always, 3 also w2 from EXPERT_GU
     scope: str = "gpu"
     m1b: M1bShape | None = None  # with the m1b bit of opt (MonoOptions.m1b)
     m1c: M1cShape | None = None  # with the m1c bit of opt (MonoOptions.m1c)
@@ -177,8 +182,8 @@ class MonoBuild:
     def __post_init__(self):
         if not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
             raise K3InputError(f"tokens: expected an integer in 1..{MAX_TOKENS}, got {self.tokens!r}")
-        if self.prefetch not in (0, 1, 2):
-            raise K3InputError(f"prefetch: expected 0, 1 or 2, got {self.prefetch!r}")
+        if self.prefetch not in PREFETCH_MODES:
+            raise K3InputError(f"prefetch: expected one of {PREFETCH_MODES}, got {self.prefetch!r}")
         if self.scope not in ("gpu", "sys"):
             raise K3InputError(f"scope: expected 'gpu' or 'sys', got {self.scope!r}")
         sleep = self.poll_sleep_ns

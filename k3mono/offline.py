@@ -139,16 +139,18 @@ MLA_CONTEXT = 1024  # a build reads no lengths: any context compiles the same ke
 
 
 def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_registers: int | None = None,
-               tiles: TileChoice | None = None, trace: bool = False, poll_sleep_ns: int | None = None):
+               tiles: TileChoice | None = None, trace: bool = False, poll_sleep_ns: int | None = None,
+               prefetch: int | None = None):
     """The mono kernel of rank 0 as the host path launches it: (compiled, grid).
     ``mla``: "" a plain layer, "m1b" M1b folded in, "m1c" M1c and M1b folded in
     (bench_mla's inputs: one request a token, its splits and page size, bf16 cache
     and w_v); ``max_registers`` the maxnreg cap (mono.MonoBuild); ``tiles``
     and ``poll_sleep_ns`` MonoOptions' (None: mono.default_options');
-    ``trace`` a trace build (k3mono/trace.py)."""
+    ``trace`` a trace build (k3mono/trace.py); ``prefetch`` the prefetch mode
+    (mono.MonoBuild; None: mono.DEFAULT_PREFETCH)."""
     from .bench_mla import FOLD_SPLITS, PAGE_SIZE, m1b_inputs, mla_layer_inputs
     from .kernels import mono as mono_kernels
-    from .mono import MonoRank, buffer_bytes, build, default_options, mono_key
+    from .mono import DEFAULT_PREFETCH, MonoRank, buffer_bytes, build, default_options, mono_key
     from .planner import M1bShape, M1cShape
     from .synthetic import random_inputs
 
@@ -157,7 +159,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     chosen = {name: value for name, value in (("tiles", tiles), ("poll_sleep_ns", poll_sleep_ns)) if value is not None}
     options = default_options(tokens, m1b=m1b, m1c=m1c, **chosen)
     key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options, max_registers=max_registers,
-                   trace=trace)
+                   trace=trace, prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch)
     buffers = [torch.zeros(buffer_bytes(build(key).peer), dtype=torch.uint8) for _ in range(1 if loopback else tp)]
     rank = MonoRank(key, empty_shard(cfg, tp), 0, buffers[0], buffers, layer=LAYER, spin_limit=1, device="cpu")
     inputs = random_inputs(cfg, tokens, LAYER, seed=0)

@@ -66,7 +66,8 @@ import triton
 import triton.language as tl
 
 from .attnres import seam_mix_task, seam_norm_task, seam_score_task
-from .experts import expert_down_task, expert_gate_up_task
+from .common import INTERPRET
+from .experts import GROUP, expert_down_task, expert_gate_up_task
 from .final import final_task
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
@@ -78,7 +79,10 @@ from .reduce import final_reduce_chunk, reduce_prefix_chunk
 from .route import route_merge_task, route_part_task
 from .router import router_task
 from .shared import shared_gate_up_task
-from .sync import H_SINK, poll_once, raise_counter, reached, wait_counter
+from .sync import poll_once, raise_counter, reached, wait_counter
+
+BULK_PREFETCH = tl.constexpr(not INTERPRET)  # _prefetch_l2 is PTX: compiled builds only
+PREFETCH_ALIGN = tl.constexpr(16)  # cp.async.bulk's address and size granule (bytes)
 
 # kind codes (planner.TaskKind)
 K_OPROJ = tl.constexpr(0)
@@ -118,24 +122,36 @@ TRACE_WORDS = tl.constexpr(4)  # a traced ticket's row: SM, taken, ready, done
 
 
 @triton.jit
-def _touch_rows(
+def _prefetch_l2(
+    first_ptr,  # any element type: the range's first element
+    end_ptr,  # the same type: one past its last element
+):
+    """Have the SM's copy engine pull the bytes [first_ptr, end_ptr) into L2
+    (cp.async.bulk.prefetch, sm_90): one instruction from one thread, nothing
+    held in registers and nothing waited for, so a CTA about to wait (or about
+    to stream the range itself) keeps HBM busy at no cost of its own. The range
+    is widened to the 16-byte bounds the instruction needs; the allocator's
+    blocks are larger, so the widened range stays inside the allocation.
+    Interpreter builds skip it (no PTX there)."""
+    if BULK_PREFETCH:
+        first = first_ptr.to(tl.int64) & -PREFETCH_ALIGN
+        end = (end_ptr.to(tl.int64) + (PREFETCH_ALIGN - 1)) & -PREFETCH_ALIGN
+        tl.inline_asm_elementwise(
+            "{ .reg .pred lead; .reg .u32 tid; mov.u32 tid, %tid.x; setp.eq.u32 lead, tid, 0; "
+            "@lead cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [first, (end - first).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(
     w_ptr,  # [N, K] (any element type), rows contiguous
     row0,
     row1,  # one past the last row wanted
     N: tl.constexpr,
     K: tl.constexpr,
-    ROWS: tl.constexpr,  # power of two >= row1 - row0
-    BK: tl.constexpr,
 ):
-    """Read rows row0 .. row1 of w once (an L2 warm-up): a scalar that depends on
-    every element, so the loads cannot be dropped."""
-    rows = tl.minimum(row0 + tl.arange(0, ROWS), tl.minimum(row1, N) - 1)
-    kk = tl.arange(0, BK)
-    acc = tl.zeros([ROWS, BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        w = tl.load(w_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=((k0 + kk) < K)[None, :], other=0)
-        acc += w.to(tl.float32)
-    return tl.sum(tl.sum(acc, axis=1), axis=0)
+    """Rows row0 .. row1 of w into L2 (_prefetch_l2)."""
+    _prefetch_l2(w_ptr + row0 * K, w_ptr + tl.minimum(row1, N) * K)
 
 
 @triton.jit
@@ -547,7 +563,7 @@ def _mono_kernel(
     SH_B: tl.constexpr,
     SHSQ_F: tl.constexpr,
     CTL_I: tl.constexpr,
-    PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
+    PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always, 3 always and w2 from EXPERT_GU
     SCOPE: tl.constexpr,
     M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
     M1B_SP: tl.constexpr,  # S padded for M1b's tl.dot (at least 16)
@@ -588,7 +604,6 @@ def _mono_kernel(
     ctl = sc_i32 + CTL_I
 
     ticket = tl.atomic_add(ctl, 1, sem="relaxed", scope=SCOPE)
-    sink = epoch.to(tl.float32) * 0.0
     while ticket < num_tasks:
         row = table_ptr + ticket * NCOL
         kind = tl.load(row + C_KIND)
@@ -612,7 +627,7 @@ def _mono_kernel(
         # (2) weights before waits
         if PREFETCH > 0:
             blocked = (nwaits < 0).to(tl.int32)
-            if PREFETCH == 2:
+            if PREFETCH >= 2:
                 blocked = (nwaits > naddr).to(tl.int32)
             else:
                 for i in tl.static_range(MAX_WAITS):
@@ -620,25 +635,34 @@ def _mono_kernel(
                         blocked = blocked | _would_block(i, row, flags, epoch, SCOPE)
             if (blocked != 0) & (ok != 0):
                 if kind == K_OPROJ:
-                    sink += _touch_rows(w_o_ptr, start, stop, H, C_R, O_ROWS, O_BK)
+                    _prefetch_rows(w_o_ptr, start, stop, H, C_R)
                 elif kind == K_ROUTER:
-                    sink += _touch_rows(w_gate_ptr, start, stop, E_R, H, R_ROWS, R_BK)
+                    _prefetch_rows(w_gate_ptr, start, stop, E_R, H)
                 elif kind == K_LATENT_DOWN:
-                    sink += _touch_rows(w_ld_ptr, start, stop, L_R, H, LD_ROWS, LD_BK)
+                    _prefetch_rows(w_ld_ptr, start, stop, L_R, H)
                 elif kind == K_SHARED_GU:
-                    sink += _touch_rows(w_sg_ptr, start, stop, SI_R, H, SG_ROWS, SG_BK)
-                    sink += _touch_rows(w_su_ptr, start, stop, SI_R, H, SG_ROWS, SG_BK)
+                    _prefetch_rows(w_sg_ptr, start, stop, SI_R, H)
+                    _prefetch_rows(w_su_ptr, start, stop, SI_R, H)
                 elif kind == K_FINAL:
-                    sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
-                    sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
+                    _prefetch_rows(w_up_ptr, start, stop, H, L_R)
+                    _prefetch_rows(w_sd_ptr, start, stop, H, SI_R)
                 elif kind == K_EXPERT_GU:
                     ex = tl.load(ids_ptr + token * KTOP + slot).to(tl.int64)
-                    sink += _touch_rows(w1_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2, GU_ROWS, GU_BG * 16)
-                    sink += _touch_rows(w3_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2, GU_ROWS, GU_BG * 16)
+                    _prefetch_rows(w1_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2)
+                    _prefetch_rows(w3_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2)
+                    _prefetch_rows(w1s_ptr + ex * (I_R * L // GROUP), start, stop, I_R, L // GROUP)
+                    _prefetch_rows(w3s_ptr + ex * (I_R * L // GROUP), start, stop, I_R, L // GROUP)
+                    if PREFETCH == 3:
+                        # its share of the expert's down rows, so the down tasks find w2 in L2
+                        share = tl.cdiv(L, tl.cdiv(I_R, GU_ROWS))
+                        _prefetch_rows(w2_ptr + ex * (L * I_R // 2), tile * share, (tile + 1) * share, L, I_R // 2)
+                        _prefetch_rows(w2s_ptr + ex * (L * I_R // GROUP), tile * share, (tile + 1) * share, L,
+                                       I_R // GROUP)
                 elif kind == K_EXPERT_DOWN:
                     for j in tl.static_range(KTOP):
                         ex = tl.load(ids_ptr + token * KTOP + j).to(tl.int64)
-                        sink += _touch_rows(w2_ptr + ex * (L * I_R // 2), start, stop, L, I_R // 2, DN_ROWS, DN_BG * 16)
+                        _prefetch_rows(w2_ptr + ex * (L * I_R // 2), start, stop, L, I_R // 2)
+                        _prefetch_rows(w2s_ptr + ex * (L * I_R // GROUP), start, stop, L, I_R // GROUP)
 
         # (3) the other waits, in table order
         for i in tl.static_range(MAX_WAITS):
@@ -710,8 +734,8 @@ def _mono_kernel(
                                       pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, DN_ROWS, DN_BG,
                                       EXPERT_LOOKAHEAD, NP, SCOPE)
             elif kind == K_PREFETCH_FINAL:
-                sink += _touch_rows(w_up_ptr, start, stop, H, L_R, F_ROWS, F_BK)
-                sink += _touch_rows(w_sd_ptr, start, stop, H, SI_R, F_ROWS, F_BK)
+                _prefetch_rows(w_up_ptr, start, stop, H, L_R)
+                _prefetch_rows(w_sd_ptr, start, stop, H, SI_R)
             elif kind == K_LATENT_NORM:
                 latent_norm_task(token, rank, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L_R, T, L, L_R, VB)
                 raise_counter(flags + rword, SCOPE)
@@ -733,8 +757,6 @@ def _mono_kernel(
         # a failed wait stops the CTA (the alarm is up: the launch is lost)
         ticket = tl.where(ok != 0, nxt, num_tasks)
 
-    if spin_limit < 0:  # never: keeps the prefetch loads alive
-        tl.store(health_ptr + H_SINK, sink.to(tl.int32))
     # the last CTA out resets the ticket counter and advances the epoch
     done = tl.atomic_add(ctl + 1, 1, sem="acq_rel", scope=SCOPE)
     if done == tl.num_programs(0) - 1:

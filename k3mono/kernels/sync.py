@@ -33,9 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-HEALTH_WORDS = 16  # 8 record words, the rest spare (word 15: the prefetch sink)
+HEALTH_WORDS = 16  # 8 record words, the rest spare
 H_ALARM, H_RANK, H_LAYER, H_TICKET, H_WORD, H_EXPECTED, H_SEEN, H_EPOCH = range(8)
-H_SINK = tl.constexpr(15)  # the prefetch sink (stored only if spin_limit < 0: never)
 ALARM_EVERY = tl.constexpr(16)  # polls between two looks at the alarm word
 
 
