@@ -20,7 +20,7 @@
 # beside the plain one; rows: the o_proj and FINAL task rows (mono, S = 1 and 8); rows64: 32 and 64 of them (mono)
 # and the staged path's; m1b_double: the M1b-folded launch with its M1B and OPROJ tasks run twice; m1b_rows: that
 # launch's trace at 16, 32 and 64 value rows an M1B task; m1c_tiles: M1c alone at other tiles and splits (32 K);
-# m1c_profile: M1c's counters (S = 4); bulk: the bulk L2 prefetch modes (mono);
+# m1c_profile: M1c's counters (S = 4); bulk: the bulk L2 prefetch modes (mono); ctas3: S = 1 at 3 CTAs a SM;
 # tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -142,13 +142,15 @@ for s in $STEPS; do
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 8 --down-rows 32 16 8 --skip-staged
         step mono_tiles_s28 200 python3 benchmarks/mono_sweep.py --tokens 2 8 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 --down-rows 32 16 8 --skip-staged ;;
-    bulk)  # the bulk L2 prefetch modes 0 / 2 / 3 (mono): 2 and 3 CTAs a SM at S = 1, then S = 8, 2, 16, the S = 1 trace
+    bulk)  # the bulk L2 prefetch, modes 0 / 2 (mono): S = 1, 8, the S = 1 trace
         MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32"
-        step bulk_s1 90 $MONO --tokens 1 --ctas 2 --prefetch 0 2 3 --expert-lookahead 1 --down-rows 16
-        step bulk_s1_3ctas 70 $MONO --tokens 1 --ctas 3 --prefetch 0 3 --expert-lookahead 0 --down-rows 16
-        step bulk_s8 100 $MONO --tokens 8 --ctas 2 --prefetch 0 2 3 --expert-lookahead 1
-        step bulk_s2_16 120 $MONO --tokens 2 16 --ctas 2 --prefetch 0 3 --expert-lookahead 1
-        step bulk_trace 100 python3 benchmarks/mono_trace.py --tokens 1 --prefetch 0 3 --out "$RESULTS" ;;
+        step bulk_s1 70 $MONO --tokens 1 --ctas 2 --prefetch 0 2 --expert-lookahead 1 --down-rows 16
+        step bulk_s8 70 $MONO --tokens 8 --ctas 2 --prefetch 0 2 --expert-lookahead 1
+        step bulk_trace 100 python3 benchmarks/mono_trace.py --tokens 1 --prefetch 0 2 --out "$RESULTS" ;;
+    ctas3)  # S = 1 at 3 CTAs a SM (no lookahead: 168 registers) and smaller expert tasks, beside the defaults (mono)
+        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --tokens 1 --prefetch 0"
+        step ctas3_default 40 $MONO --ctas 2 --expert-lookahead 1 --down-rows 16
+        step ctas3_s1 120 $MONO --ctas 3 --expert-lookahead 0 --gate-up-rows 32 16 --down-rows 16 8 ;;
     tiles_check)  # S = 1 and 2: down rows 32 against 16 (the S = 1 default), gate/up rows 32 (mono)
         step mono_tiles_check 150 python3 benchmarks/mono_sweep.py --tokens 1 2 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --down-rows 32 16 --skip-staged ;;

@@ -102,11 +102,11 @@ def _interpreting() -> bool:
 
 
 TRACE_WORDS = 4  # kernels/mono.py: a traced ticket's SM, taken, ready, done
-PREFETCH_MODES = (0, 1, 2, 3)
-"""Weights asked into L2 before a task's waits (kernels/mono.py, one bulk
-prefetch a range from one thread): 0 never, 1 when a wait would block, 2
-always, 3 always and every EXPERT_GU task also its share of its expert's down
-rows (all routed weights requested as soon as the route is known)."""
+PREFETCH_MODES = (0, 1, 2)
+"""Weights asked into L2 before a task's waits (kernels/mono.py: one bulk
+prefetch a range, from one thread): 0 never, 1 when a wait would block, 2
+always. A third mode, every gate/up task also asking for its share of its
+expert's down rows, measured slower at every S (docs/PERF.md) and was dropped."""
 DEFAULT_PREFETCH = 0
 MAX_POLL_SLEEP_NS = 1000
 """The longest pause between polls: a wait's bound is counted in polls
@@ -169,7 +169,7 @@ class MonoBuild:
     loopback: bool = False
     sms: int = 1  # the grid is planned for this many SMs (1 under the interpreter: device_sms)
     ctas_per_sm: int = 1
-    prefetch: int = DEFAULT_PREFETCH  # 0 never, 1 when a wait would block, 2 always, 3 also w2 from EXPERT_GU
+    prefetch: int = DEFAULT_PREFETCH  # PREFETCH_MODES
     scope: str = "gpu"
     m1b: M1bShape | None = None  # with the m1b bit of opt (MonoOptions.m1b)
     m1c: M1cShape | None = None  # with the m1c bit of opt (MonoOptions.m1c)

@@ -15,18 +15,17 @@ Per task:
 1. poll the ``addr_waits`` first waits (the expert ids: they gate the weight
    addresses of EXPERT_GU / EXPERT_DOWN);
 2. weights before waits (PREFETCH): if one of the remaining waits is not met
-   at its first poll (PREFETCH = 1; always with PREFETCH = 2), the CTA reads
-   the task's weight tile once (ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the
-   chosen experts' rows for EXPERT_GU / EXPERT_DOWN), pulling it into L2
-   while the awaited flag settles; the stage function then reads it from L2.
-   OPROJ waits only where M1B runs first (then its w_o tile is read while the
-   core settles; otherwise its weights stream at once); M1C has no wait; M1B
+   at its first poll (PREFETCH = 1; always with PREFETCH = 2), one thread asks
+   the SM's copy engine to pull the task's weight rows into L2 (_prefetch_l2:
+   cp.async.bulk.prefetch, one instruction a range, nothing held or waited
+   for; ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the chosen experts' rows and
+   scales for EXPERT_GU / EXPERT_DOWN) while the awaited flag settles; the
+   stage function then reads them from L2.
+   OPROJ waits only where M1B runs first (then its w_o rows are asked for while
+   the core settles; otherwise its weights stream at once); M1C has no wait; M1B
    has none either, or, where M1C runs first, one for every M1C task (its w_v
-   tile is not read before it: a few KB, next to the cache M1C streams);
-   REDUCE*, SEAM_*, ROUTE* and LATENT_NORM read activations only (their small
-   norm vectors are not prefetched). The stage task functions load x and w
-   in one loop, so what is prefetched is an L2 warm-up, not registers kept
-   across the wait;
+   tile is not asked for before it: a few KB, next to the cache M1C streams);
+   REDUCE*, SEAM_*, ROUTE* and LATENT_NORM read activations only;
 3. poll the other waits, in table order;
 4. run the kind's task function, which stores its own results: the GEMV kinds
    (``*_push_task`` below: the stage task function unchanged, then its tile
@@ -563,7 +562,7 @@ def _mono_kernel(
     SH_B: tl.constexpr,
     SHSQ_F: tl.constexpr,
     CTL_I: tl.constexpr,
-    PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always, 3 always and w2 from EXPERT_GU
+    PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
     SCOPE: tl.constexpr,
     M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
     M1B_SP: tl.constexpr,  # S padded for M1b's tl.dot (at least 16)
@@ -627,7 +626,7 @@ def _mono_kernel(
         # (2) weights before waits
         if PREFETCH > 0:
             blocked = (nwaits < 0).to(tl.int32)
-            if PREFETCH >= 2:
+            if PREFETCH == 2:
                 blocked = (nwaits > naddr).to(tl.int32)
             else:
                 for i in tl.static_range(MAX_WAITS):
@@ -652,12 +651,6 @@ def _mono_kernel(
                     _prefetch_rows(w3_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2)
                     _prefetch_rows(w1s_ptr + ex * (I_R * L // GROUP), start, stop, I_R, L // GROUP)
                     _prefetch_rows(w3s_ptr + ex * (I_R * L // GROUP), start, stop, I_R, L // GROUP)
-                    if PREFETCH == 3:
-                        # its share of the expert's down rows, so the down tasks find w2 in L2
-                        share = tl.cdiv(L, tl.cdiv(I_R, GU_ROWS))
-                        _prefetch_rows(w2_ptr + ex * (L * I_R // 2), tile * share, (tile + 1) * share, L, I_R // 2)
-                        _prefetch_rows(w2s_ptr + ex * (L * I_R // GROUP), tile * share, (tile + 1) * share, L,
-                                       I_R // GROUP)
                 elif kind == K_EXPERT_DOWN:
                     for j in tl.static_range(KTOP):
                         ex = tl.load(ids_ptr + token * KTOP + j).to(tl.int64)
