@@ -68,6 +68,16 @@ SM, half of the ~32 KB HBM latency wants, and the o_proj's K = C/T = 1536 at
 T = 8 is only 3 steps of 512, each a full memory round trip. Measured on the
 H200 (docs/PERF.md, 2026-12-03): 16 and 32 KB were slower; 8 stays."""
 
+SHARED_ROWS = FMA_TILE[0]
+SHARED_ROWS_CHOICES = (2, 4, 8)
+"""Rows of a shared-expert gate/up task on the FMA path (TileChoice.shared_rows;
+the tl.dot path keeps DOT_TILE's 16). Its 96 tasks at 8 rows (TP8, S = 1) start
+with the router's once x is ready and stream 229 KB each, a step a memory round
+trip: the trace had them running 18 us a task, still busy 9 us after the route
+was known, on CTAs the expert tasks then lacked (skipping them saved 6.7 us at
+S = 1, benchmarks/mono_variants.py). Fewer rows: more, shorter tasks of the same
+bytes a step."""
+
 ROUTER_ROWS = 2
 ROUTER_ROWS_CHOICES = (2, 4, 8)
 """Rows of a router task on the FMA path (S <= FMA_MAX_TOKENS; tl.dot needs 16).
@@ -173,13 +183,14 @@ head's splits, so fewer rows make more, shorter tasks that repeat the combine.""
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS,
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, SHARED_ROWS,
     EXPERT_LOOKAHEAD, HIDDEN_ROWS and BACK_BLOCK_DV)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
     down_rows: int = EXPERT_ROWS
     router_rows: int = ROUTER_ROWS
+    shared_rows: int = SHARED_ROWS
     expert_lookahead: bool = EXPERT_LOOKAHEAD
     oproj_rows: int = HIDDEN_ROWS
     final_rows: int = HIDDEN_ROWS
@@ -196,6 +207,8 @@ class TileChoice:
                 raise K3InputError(f"tiles.{name}: expected one of {EXPERT_ROWS_CHOICES}, got {getattr(self, name)!r}")
         if self.router_rows not in ROUTER_ROWS_CHOICES:
             raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
+        if self.shared_rows not in SHARED_ROWS_CHOICES:
+            raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
         if not isinstance(self.expert_lookahead, bool):
             raise K3InputError(f"tiles.expert_lookahead: expected a bool, got {self.expert_lookahead!r}")
         if self.m1b_rows not in BACK_BLOCK_DV_CHOICES:
@@ -427,7 +440,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         oproj=_dense(H, C // tp, use_dot, step_kb, tiles.oproj_rows),
         router=_dense(E // tp, H, use_dot, step_kb, tiles.router_rows),
         latent_down=_dense(L // tp, H, use_dot, step_kb),
-        shared_gate_up=_dense(SI // tp, H, use_dot, step_kb),
+        shared_gate_up=_dense(SI // tp, H, use_dot, step_kb, tiles.shared_rows),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
         expert_gate_up=_expert(tiles.gate_up_rows, I // tp, L, tiles.expert_lookahead),
         expert_down=_expert(tiles.down_rows, L, cfg.num_experts_per_token * I // tp, tiles.expert_lookahead),

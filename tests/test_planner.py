@@ -692,6 +692,28 @@ def test_router_rows_set_the_router_tasks_over_the_same_step_bytes(rows):
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(router_rows=3)))
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_shared_rows_set_the_shared_tasks_over_the_same_step_bytes(rows):
+    """TileChoice.shared_rows (FMA path): 8 / rows times the shared gate/up tasks
+    of the default at S = 1, TP8, each step as many bytes, the same bytes
+    streamed, FINAL waiting for all of them; the tl.dot path (S = 8) keeps its tile."""
+    cfg = preset("kimi-k3")
+    options = MonoOptions(tiles=TileChoice(shared_rows=rows))
+    base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, options)
+    shared = lambda t: [task for task in t.tasks if task.kind == TaskKind.SHARED_GU]  # noqa: E731
+    assert base.geometry.shared_gate_up.rows == 8 and len(shared(base)) == 96
+    assert len(shared(narrow)) == len(shared(base)) * 8 // rows
+    b, n = base.geometry.shared_gate_up, narrow.geometry.shared_gate_up
+    assert n.rows * n.block_k == b.rows * b.block_k
+    streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
+    assert streamed(narrow) == streamed(base)
+    final = next(task for task in narrow.tasks if task.kind == TaskKind.FINAL)
+    assert any(wait.flag == Flag.SHARED_READY and wait.count == len(shared(narrow)) for wait in final.waits)
+    assert plan(cfg, 8, 8, 132, options).geometry.shared_gate_up == plan(cfg, 8, 8, 132).geometry.shared_gate_up
+    with pytest.raises(K3InputError, match="shared_rows"):
+        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(shared_rows=16)))
+
+
 @pytest.mark.parametrize("tokens,base_rows", [(1, 8), (8, 16)])
 @pytest.mark.parametrize("rows", [16, 32])
 def test_oproj_and_final_rows_set_their_tasks_over_the_same_step_bytes(tokens, base_rows, rows):
