@@ -153,8 +153,9 @@ for s in $STEPS; do
         step ctas3_default 40 $MONO --ctas 2 --expert-lookahead 1 --down-rows 16
         step ctas3_s1 120 $MONO --ctas 3 --expert-lookahead 0 --gate-up-rows 32 16 --down-rows 16 8 ;;
     shared)  # shared gate/up task rows 8 / 4 / 2 (TileChoice.shared_rows, FMA path), mono, S = 1, 2, 4
-        step shared_rows 200 python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --tokens 1 2 4 \
-            --ctas 2 --prefetch 0 --expert-lookahead 1 --shared-rows 8 4 2 ;;
+        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
+        step shared_rows_s1 100 $MONO --tokens 1 --down-rows 16 --expert-lookahead 1 --shared-rows 8 4 2
+        step shared_rows_s24 150 $MONO --tokens 2 4 --expert-lookahead 1 --shared-rows 8 4 2 ;;
     tiles_check)  # S = 1 and 2: down rows 32 against 16 (the S = 1 default), gate/up rows 32 (mono)
         step mono_tiles_check 150 python3 benchmarks/mono_sweep.py --tokens 1 2 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --down-rows 32 16 --skip-staged ;;
