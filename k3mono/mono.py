@@ -146,10 +146,20 @@ same bytes a step. Measured on the H200 (benchmarks/mono_sweep.py --gate-up-rows
 32 / 8 88.8, 16 / 16 86.0, 8 / 8 95.6; at S = 8 32 / 16 cost 16 us (240.2
 against 224.3) and fewer gate/up rows more."""
 
+SINGLE_TOKEN_SHARED_ROWS = 2
+"""Shared gate/up task rows of the mono launch at S = 1 (planner.SHARED_ROWS: 8
+elsewhere): 384 tasks instead of 96, done before the expert tasks need their
+CTAs. Measured on the H200 (benchmarks/mono_sweep.py --shared-rows, docs/PERF.md):
+S = 1 8 / 4 / 2 rows 85.3 / 85.4 / 83.4 us, twice more 85.8 / 83.4 and 85.9 /
+83.4 (8 / 2); S = 2 105.4 / 111.0 / 109.6 and S = 4 151.4 / 156.4 / 155.9 (8 stays)."""
+
 
 def default_tiles(tokens: int) -> TileChoice:
-    """DEFAULT_TILES for S = ``tokens``: SINGLE_TOKEN_DOWN_ROWS down rows at S = 1."""
-    return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS) if tokens == 1 else DEFAULT_TILES
+    """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows
+    and SINGLE_TOKEN_SHARED_ROWS shared gate/up rows."""
+    if tokens == 1:
+        return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS, shared_rows=SINGLE_TOKEN_SHARED_ROWS)
+    return DEFAULT_TILES
 
 
 def default_options(tokens: int, **choices) -> MonoOptions:
