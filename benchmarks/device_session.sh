@@ -21,7 +21,7 @@
 # and the staged path's; m1b_double: the M1b-folded launch with its M1B and OPROJ tasks run twice; m1b_rows: that
 # launch's trace at 16, 32 and 64 value rows an M1B task; m1c_tiles: M1c alone at other tiles and splits (32 K);
 # m1c_profile: M1c's counters (S = 4); bulk: the bulk L2 prefetch modes (mono); ctas3: S = 1 at 3 CTAs a SM;
-# shared: the shared gate/up task rows;
+# shared: the shared gate/up task rows; route: the route's tasks before the shared ones;
 # tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -156,6 +156,10 @@ for s in $STEPS; do
         MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
         step shared_rows_s1 100 $MONO --tokens 1 --down-rows 16 --expert-lookahead 1 --shared-rows 8 4 2
         step shared_rows_s24 150 $MONO --tokens 2 4 --expert-lookahead 1 --shared-rows 8 4 2 ;;
+    route)  # the route's tasks before SHARED_GU in the table or after (MonoOptions.route_early), mono, S = 1, 2, 8, 16
+        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
+        step route_s1 80 $MONO --tokens 1 --down-rows 16 --shared-rows 2 --expert-lookahead 1 --route-early 0 1
+        step route_s2_8_16 200 $MONO --tokens 2 8 16 --expert-lookahead 1 --route-early 0 1 ;;
     tiles_check)  # S = 1 and 2: down rows 32 against 16 (the S = 1 default), gate/up rows 32 (mono)
         step mono_tiles_check 150 python3 benchmarks/mono_sweep.py --tokens 1 2 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --down-rows 32 16 --skip-staged ;;

@@ -498,6 +498,9 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #   ROUTE_PART    per (token, part of the experts), after every rank's router
 #                 rows: the part's top-K keys
 #   ROUTE         per token: the top-K of its parts' (the merge)
+#                 (option route_early: ROUTE_PART and ROUTE before SHARED_GU, so
+#                 the CTAs that take them wait for the router instead of being
+#                 taken last, behind every shared task)
 #   EXPERT_GU     token-major, then slot, then tile: ACT[0] completes first
 #   EXPERT_DOWN   token-major, AFTER every EXPERT_GU (not interleaved per token:
 #                 interleaving would leave CTAs idle at every token boundary,
@@ -535,7 +538,8 @@ MAX_WAITS = 2
 OPT_PREFETCH_FINAL = 1 << 0
 OPT_M1B = 1 << 1
 OPT_M1C = 1 << 2
-OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C
+OPT_ROUTE_EARLY = 1 << 3
+OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY
 
 
 class TaskKind(enum.IntEnum):
@@ -611,6 +615,8 @@ class MonoOptions:
     poll_sleep_ns (a build-key part, not in ``bits()``): a waiting CTA sleeps this
     long between polls (compiled NVIDIA builds; 0: it spins), leaving the issue
     slots of its SM to the CTA beside it.
+    route_early (a build-key bit, ``bits()``): the route's tasks (ROUTE_PART,
+    ROUTE) come before SHARED_GU in the table instead of after it.
     """
 
     prefetch_final: bool = False
@@ -619,10 +625,11 @@ class MonoOptions:
     m1c: M1cShape | None = None
     tiles: TileChoice = TileChoice()
     poll_sleep_ns: int = 0
+    route_early: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
-                | (OPT_M1C if self.m1c is not None else 0))
+                | (OPT_M1C if self.m1c is not None else 0) | (OPT_ROUTE_EARLY if self.route_early else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
@@ -635,7 +642,7 @@ class MonoOptions:
         if bool(bits & OPT_M1C) != (m1c is not None):
             raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
         return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
-                   tiles=tiles, poll_sleep_ns=poll_sleep_ns)
+                   tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY))
 
 
 @dataclass(frozen=True)
@@ -1157,11 +1164,15 @@ class _Planner:
             self.add(TaskKind.REDUCE3, tile=tile, span=(lo, hi),
                      waits=[_WaitSpec(Flag.AR3, tile, self.tp * producers)])
 
+    def _route_and_shared(self) -> tuple:
+        """SHARED_GU then the route's kinds, or the route first (MonoOptions.route_early)."""
+        route = (self.route_part, self.route)
+        return (*route, self.shared_gate_up) if self.options.route_early else (self.shared_gate_up, *route)
+
     def in_table_order(self) -> list[_TaskSpec]:
         for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_score, self.seam_mix, self.seam_norm,
-                     self.router, self.latent_down, self.shared_gate_up, self.route_part, self.route,
-                     self.expert_gate_up, self.expert_down, self.prefetch_final, self.latent_norm, self.final,
-                     self.reduce3):
+                     self.router, self.latent_down, *self._route_and_shared(), self.expert_gate_up, self.expert_down,
+                     self.prefetch_final, self.latent_norm, self.final, self.reduce3):
             step()
         return self.specs
 

@@ -22,7 +22,7 @@ from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_ROWS, MonoBuild, MonoRunner,
                          MonoTimeout, build, buffer_bytes, mono_key, peer_regions, scratch_regions)
-from k3mono.planner import COL, MonoOptions, TileChoice
+from k3mono.planner import COL, MonoOptions, TaskKind, TileChoice
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
@@ -156,7 +156,7 @@ def test_a_timeout_downstream_of_a_stalled_exchange_still_names_the_missing_rank
     the first exchange missing a push. The interpreter's one program always fails at
     the exchange itself, so the record is rewritten to the downstream wait."""
     from k3mono.kernels import sync
-    from k3mono.planner import Flag, TaskKind
+    from k3mono.planner import Flag
 
     runner = _rank_zero_alone()
     table = runner.rank_states[0].compiled.table
@@ -167,13 +167,16 @@ def test_a_timeout_downstream_of_a_stalled_exchange_still_names_the_missing_rank
         runner.check_health()
 
 
-def test_prefetch_and_prefetch_final_change_no_bits():
+def test_prefetch_prefetch_final_and_the_route_first_change_no_bits():
     cfg, tokens, layer = preset("tiny"), 1, 1
     shards = shard_all(layer_weights(), cfg, 1)
     inputs = random_inputs(cfg, tokens, layer, seed=21)
     plain = MonoRunner(cfg, shards, tokens, layer, prefetch=0)(**inputs)
-    eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=MonoOptions(prefetch_final=True))
+    options = MonoOptions(prefetch_final=True, route_early=True)
+    eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=options)
     assert eager.compiled.table.summary().tasks_per_kind.get(9)  # PREFETCH_FINAL tasks present
+    kinds = [task.kind for task in eager.compiled.table.tasks]
+    assert kinds.index(TaskKind.ROUTE) < kinds.index(TaskKind.SHARED_GU)
     assert same_bits(plain, eager(**inputs))
 
 
