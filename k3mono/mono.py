@@ -162,10 +162,20 @@ def default_tiles(tokens: int) -> TileChoice:
     return DEFAULT_TILES
 
 
+SINGLE_TOKEN_ROUTE_EARLY = True
+"""The route's tasks before SHARED_GU in the table at S = 1 (MonoOptions.route_early):
+with 384 shared tasks ahead of it (SINGLE_TOKEN_SHARED_ROWS) the route was taken
+last and known 5.8 us later than before (the trace). Measured on the H200
+(benchmarks/mono_sweep.py --route-early, docs/PERF.md): S = 1 83.3 -> 81.2 us;
+S = 2 105.4 -> 106.2, S = 8 224.4 -> 224.1, S = 16 368.8 -> 368.5 (kept off there)."""
+
+
 def default_options(tokens: int, **choices) -> MonoOptions:
     """MonoOptions at the measured defaults for S = ``tokens`` (DEFAULT_CTAS_PER_SM,
-    default_tiles, DEFAULT_POLL_SLEEP_NS), any field overridden by ``choices``."""
-    fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS)
+    default_tiles, DEFAULT_POLL_SLEEP_NS, SINGLE_TOKEN_ROUTE_EARLY at S = 1), any
+    field overridden by ``choices``."""
+    fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS,
+                  route_early=SINGLE_TOKEN_ROUTE_EARLY and tokens == 1)
     return MonoOptions(**{**fields, **choices})
 
 
