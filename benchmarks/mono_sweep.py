@@ -51,8 +51,8 @@ def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> st
 
 def _tiles_text(tiles: TileChoice) -> str:
     return (f"dense step {tiles.dense_step_kb} KB gate/up rows {tiles.gate_up_rows} down rows {tiles.down_rows} "
-            f"router rows {tiles.router_rows} shared rows {tiles.shared_rows} lookahead {int(tiles.expert_lookahead)} o_proj rows {tiles.oproj_rows} "
-            f"final rows {tiles.final_rows}")
+            f"router rows {tiles.router_rows} shared rows {tiles.shared_rows} lookahead {int(tiles.expert_lookahead)} "
+            f"o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows}")
 
 
 def main() -> None:

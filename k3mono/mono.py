@@ -108,6 +108,12 @@ prefetch a range, from one thread): 0 never, 1 when a wait would block, 2
 always. A third mode, every gate/up task also asking for its share of its
 expert's down rows, measured slower at every S (docs/PERF.md) and was dropped."""
 DEFAULT_PREFETCH = 0
+"""Measured on the H200 (benchmarks/mono_sweep.py --prefetch, docs/PERF.md): mode 2
+through the copy engine S = 1 86.1 against 85.3 us, S = 8 228.2 against 223.2;
+the expert tasks did not shorten with their rows asked for early (the trace of
+the dropped third mode: 14.7 against 13.9 us a gate/up task), being bound by their
+instruction issue, and the early requests slowed the latency chain (REDUCE1, the
+seam) instead."""
 MAX_POLL_SLEEP_NS = 1000
 """The longest pause between polls: a wait's bound is counted in polls
 (DEFAULT_SPIN), so the pause stretches it; at 1 us a timed-out wait still
@@ -115,9 +121,9 @@ reports within a few seconds, not hours."""
 DEFAULT_CTAS_PER_SM = 2
 """Measured on the H200 at one rank of TP8 (benchmarks/mono_sweep.py, docs/PERF.md):
 two CTAs a SM took S = 1 from 182 to 148 us and S = 8 from 415 to 341 us (four
-gave nothing more); the L2 prefetch before a blocking wait (mode 1) cost 20 to
-40 us, since it reads each weight tile twice through the SM and keeps nothing
-in registers across the wait."""
+gave nothing more); the L2 prefetch before a blocking wait (mode 1), then a
+read through the SM, cost 20 to 40 us (it read each weight tile twice through the
+SM and kept nothing in registers across the wait)."""
 
 
 DEFAULT_TILES = TileChoice(expert_lookahead=True, oproj_rows=32, final_rows=32)
@@ -158,7 +164,8 @@ def default_tiles(tokens: int) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows
     and SINGLE_TOKEN_SHARED_ROWS shared gate/up rows."""
     if tokens == 1:
-        return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS, shared_rows=SINGLE_TOKEN_SHARED_ROWS)
+        return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
+                                   shared_rows=SINGLE_TOKEN_SHARED_ROWS)
     return DEFAULT_TILES
 
 

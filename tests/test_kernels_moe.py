@@ -436,19 +436,23 @@ _SM90_BUILDS = textwrap.dedent(
         # the IMAD placement holds: one IMAD a value places the nibble (not a shift pair)
         assert ops["IMAD"] >= values and ops["SHF"] < values / 2, (name, ops.most_common(8))
         print(name, round(len(loop) / values, 2))
+    BULK = "cp.async.bulk.prefetch.L2.global"
     for mla in ("", "m1c"):  # a plain layer; an MLA layer with M1c and M1b folded in
         compiled, _ = offline.mono_build(cfg, 8, 1, loopback=False, mla=mla)
         fits = offline.ctas_per_sm(offline.resource_usage(compiled), compiled.metadata.num_warps)
         assert fits >= DEFAULT_CTAS_PER_SM, f"mono {mla}: {fits} CTAs fit a SM, the grid is planned for {DEFAULT_CTAS_PER_SM}"
+        if not mla:
+            plain_prefetches = compiled.asm["ptx"].count(BULK)  # PREFETCH_FINAL tasks only (prefetch mode 0)
     compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, max_registers=168)  # the cap reaches ptxas
     usage = offline.resource_usage(compiled)
     assert usage["registers"] <= 168 and offline.ctas_per_sm(usage, compiled.metadata.num_warps) == 3, usage
     compiled, grid = offline.m1c_build("fp8", 1, 264, 2048)  # M1c alone, as bench_mla launches it
     usage = offline.resource_usage(compiled)
     assert grid == (1, 264, 1) and usage["stack"] == 0 and offline.ctas_per_sm(usage, 4) >= 2, (grid, usage)
-    compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, trace=True, poll_sleep_ns=200)
-    ptx = compiled.asm["ptx"]  # k3mono/trace.py's readings; the pause between polls
+    compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, trace=True, poll_sleep_ns=200, prefetch=2)
+    ptx = compiled.asm["ptx"]  # k3mono/trace.py's readings; the pause between polls; every kind's prefetch
     assert "%globaltimer" in ptx and "%smid" in ptx and "nanosleep.u32" in ptx
+    assert ptx.count(BULK) > plain_prefetches > 0, (ptx.count(BULK), plain_prefetches)
     print("ok")
     """
 )
@@ -459,8 +463,9 @@ def test_sm90_builds_place_nibbles_with_imad_and_mono_fits_its_planned_ctas():
     loops place each nibble with one IMAD and do not spill; the mono kernel
     compiles, plain and with M1c and M1b folded in, and its registers leave room
     for the CTAs a SM its grid is planned for; M1c alone fits two programs a SM
-    without spilling; a trace build reads the
-    global timer, and waits can pause between polls. Runs in a child process: the
+    without spilling; a trace build reads the global timer, waits can pause
+    between polls, and the prefetch modes ask the copy engine for each kind's
+    weights (ptxas takes the bulk prefetch). Runs in a child process: the
     interpreter, on in this one, cannot compile."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

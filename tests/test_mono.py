@@ -341,7 +341,8 @@ def plain_s3():
 
 
 @pytest.mark.parametrize("tiles", [TileChoice(gate_up_rows=8, down_rows=16), TileChoice(gate_up_rows=16, down_rows=8),
-                                   TileChoice(router_rows=8), TileChoice(shared_rows=2), TileChoice(expert_lookahead=True)],
+                                   TileChoice(router_rows=8), TileChoice(shared_rows=2),
+                                   TileChoice(expert_lookahead=True)],
                          ids=["gate-up-8-down-16", "gate-up-16-down-8", "router-rows-8", "shared-rows-2",
                               "expert-lookahead"])
 def test_other_task_shapes_change_no_bits(tiles, plain_s3):
