@@ -52,14 +52,22 @@ STAGE_WEIGHTS = {
 """The weights each streaming stage reads (the experts' for the distinct experts routed to)."""
 
 
-def _git_commit() -> str:
-    """HEAD's short hash; K3MONO_COMMIT where the tree travelled without its .git (the device machine)."""
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True).stdout.strip()
+
+
+def _git_commit(repo: Path = Path(__file__).resolve().parent.parent) -> str:
+    """HEAD's short hash of ``repo``, "-dirty" after it when tracked files differ
+    from HEAD (a result of code no commit holds, or a tree copied beside a stale
+    .git, as on the device machine); K3MONO_COMMIT where the caller knows better."""
     if os.environ.get("K3MONO_COMMIT"):
         return os.environ["K3MONO_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        head = _git(repo, "rev-parse", "--short", "HEAD")
+        changed = _git(repo, "status", "--porcelain", "--untracked-files=no")
     except OSError:
         return "unknown"
+    return f"{head}-dirty" if head and changed else (head or "unknown")
 
 
 def run_metadata() -> dict:

@@ -132,3 +132,23 @@ def test_plan_shows_an_mla_layers_table_with_m1b_first(capsys):
     assert rows[0].split()[1] == "M1B" and f"CORE[0]>={m1b_tasks}" in rows[1] and rows[1].split()[1] == "OPROJ"
     streamed = re.search(r"([\d.]+) MB weights streamed", out).group(1)
     assert re.search(rf"floor:\s+{streamed} MB weights", out), out
+
+
+def test_bench_results_name_their_commit_and_a_tree_that_differs_from_it(tmp_path, monkeypatch):
+    """bench's JSON names HEAD, with "-dirty" where tracked files differ from it
+    (a tree copied beside a stale .git reads so); K3MONO_COMMIT overrides both."""
+    from k3mono.bench import _git_commit
+
+    monkeypatch.delenv("K3MONO_COMMIT", raising=False)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=k3mono", "-c", "user.email=k3mono@example.invalid"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    subprocess.run([*git, "add", "kernel.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "first"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "notes.txt").write_text("untracked files do not count\n")
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    assert _git_commit(tmp_path) == f"{head}-dirty"
+    monkeypatch.setenv("K3MONO_COMMIT", "abc1234")
+    assert _git_commit(tmp_path) == "abc1234"
