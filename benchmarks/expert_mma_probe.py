@@ -44,7 +44,7 @@ from k3mono.timing import copy_bandwidth, time_graph
 BF16X2_PLACE_MASK = tl.constexpr(0x81C081C0 - (1 << 32))  # bits 31, 24..22, 15, 8..6, as the int32 it is
 SCALE_BIAS = tl.constexpr(63)  # bf16 exponent field of 2^(s - 64): s + 63
 BF16_EXP_SHIFT = tl.constexpr(7)
-OUT_RESCALE = 2.0**63
+OUT_RESCALE = tl.constexpr(2.0**63)  # the 2^-63 the weights carry, given back once
 N_PAD = 16  # tl.dot's smallest N
 TILES = ((64, 8, 4), (64, 16, 4), (32, 8, 2), (128, 8, 4))  # (rows, groups a step, warps)
 
