@@ -177,12 +177,24 @@ last and known 5.8 us later than before (the trace). Measured on the H200
 S = 2 105.4 -> 106.2, S = 8 224.4 -> 224.1, S = 16 368.8 -> 368.5 (kept off there)."""
 
 
+DEFAULT_PREFETCH_FINAL = True
+"""PREFETCH_FINAL tasks (MonoOptions.prefetch_final): after the expert tasks in
+the table, each asks the copy engine for one FINAL task's weight rows
+(kernels/mono.py _prefetch_l2, one instruction a range), so FINAL finds them in
+L2 while the MXFP4 tasks, bound by their instructions, leave HBM idle. Measured
+on the H200 (benchmarks/device_session.sh final_bulk, twice on one machine,
+docs/PERF.md), off -> on: S = 1 81.4 -> 80.3 and 81.0 -> 80.0 us, S = 2 106.2 ->
+105.5 and 106.1 -> 105.4, S = 8 225.1 -> 223.9 and 225.2 -> 224.3, S = 16 370.6
+-> 369.7 and 370.7 -> 369.5. (With the old prefetch, rows read through the SM
+into registers, it gained nothing: 3056def.)"""
+
+
 def default_options(tokens: int, **choices) -> MonoOptions:
     """MonoOptions at the measured defaults for S = ``tokens`` (DEFAULT_CTAS_PER_SM,
-    default_tiles, DEFAULT_POLL_SLEEP_NS, SINGLE_TOKEN_ROUTE_EARLY at S = 1), any
-    field overridden by ``choices``."""
+    default_tiles, DEFAULT_POLL_SLEEP_NS, DEFAULT_PREFETCH_FINAL, SINGLE_TOKEN_ROUTE_EARLY
+    at S = 1), any field overridden by ``choices``."""
     fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS,
-                  route_early=SINGLE_TOKEN_ROUTE_EARLY and tokens == 1)
+                  prefetch_final=DEFAULT_PREFETCH_FINAL, route_early=SINGLE_TOKEN_ROUTE_EARLY and tokens == 1)
     return MonoOptions(**{**fields, **choices})
 
 
