@@ -599,7 +599,8 @@ class MonoOptions:
     prefetch_final (a build-key bit, ``bits()``): add PREFETCH_FINAL tasks that
     pull FINAL's weights into L2 right after the expert down-projections, so
     HBM streams them while the AR2 -> latent norm chain settles; FINAL then
-    reads them from L2.
+    reads them from L2 (off here; mono.default_options turns it on, as measured:
+    mono.DEFAULT_PREFETCH_FINAL).
     m1b (a build-key bit when set; its M1bShape is a build-key part, like
     ctas_per_sm not in ``bits()``): an MLA layer's launch runs M1b first, so
     o_proj starts from M1c's split outputs instead of a finished core.
