@@ -76,8 +76,8 @@ import torch
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
-from .planner import (COL, FINAL_LATE_WAIT, OPT_FINAL_SHARED_EARLY, PEER_FLAGS, M1bShape, M1cShape, MonoOptions,
-                      TileChoice, next_pow2, plan, timing_variant)
+from .planner import (COL, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice, next_pow2, plan,
+                      timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_layer_inputs
 from .weights import LayerWeights
@@ -353,7 +353,6 @@ def build(key: MonoBuild) -> Compiled:
         SG_ROWS=g.shared_gate_up.rows, SG_BK=g.shared_gate_up.block_k, SG_EVEN=even_k(H, g.shared_gate_up.block_k),
         F_ROWS=g.final.rows, F_BK=g.final.block_k, F_EVEN_L=even_k(L // T, g.final.block_k),
         F_EVEN_S=even_k(SI // T, g.final.block_k),
-        FINAL_SHARED_EARLY=bool(key.opt & OPT_FINAL_SHARED_EARLY), FINAL_LATE_WAIT=FINAL_LATE_WAIT,
         GU_ROWS=g.expert_gate_up.rows, GU_BG=_block_groups(g.expert_gate_up),
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         VB=g.vector_block, CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols,

@@ -514,8 +514,6 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 token's chain is the critical path either way)
 #   FINAL         latent up + shared down; its weights are issued before its
 #                 waits, so the first CTAs there stream while AR2 settles
-#                 (option final_shared_early: the shared down runs between its
-#                 two waits, FINAL_LATE_WAIT the second)
 #   REDUCE3       AR3 per column tile, as REDUCE1
 #
 # Flags are counters, indexed at the CONSUMER's granularity (a consumer polls
@@ -541,13 +539,7 @@ OPT_PREFETCH_FINAL = 1 << 0
 OPT_M1B = 1 << 1
 OPT_M1C = 1 << 2
 OPT_ROUTE_EARLY = 1 << 3
-OPT_FINAL_SHARED_EARLY = 1 << 4
-OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_FINAL_SHARED_EARLY
-
-FINAL_LATE_WAIT = 1
-"""Index of LATENT_READY among a FINAL task's waits (after SHARED_READY, and
-FINAL has no address waits): the one a final_shared_early launch waits for
-mid-task, after the shared down-projection (kernels/mono.py)."""
+OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY
 
 
 class TaskKind(enum.IntEnum):
@@ -626,11 +618,6 @@ class MonoOptions:
     slots of its SM to the CTA beside it.
     route_early (a build-key bit, ``bits()``): the route's tasks (ROUTE_PART,
     ROUTE) come before SHARED_GU in the table instead of after it.
-    final_shared_early (a build-key bit, ``bits()``): a FINAL task runs its shared
-    down-projection (63 % of its bytes at TP8) once SHARED_READY is met and only
-    then waits for LATENT_READY (FINAL_LATE_WAIT), so the CTAs that take FINAL
-    early stream it while the experts and the latent norm finish. The same
-    table and the same sum (routed + shared).
     """
 
     prefetch_final: bool = False
@@ -640,12 +627,10 @@ class MonoOptions:
     tiles: TileChoice = TileChoice()
     poll_sleep_ns: int = 0
     route_early: bool = False
-    final_shared_early: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
-                | (OPT_M1C if self.m1c is not None else 0) | (OPT_ROUTE_EARLY if self.route_early else 0)
-                | (OPT_FINAL_SHARED_EARLY if self.final_shared_early else 0))
+                | (OPT_M1C if self.m1c is not None else 0) | (OPT_ROUTE_EARLY if self.route_early else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
@@ -658,8 +643,7 @@ class MonoOptions:
         if bool(bits & OPT_M1C) != (m1c is not None):
             raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
         return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
-                   tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY),
-                   final_shared_early=bool(bits & OPT_FINAL_SHARED_EARLY))
+                   tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@ and a discrete-event simulation of T ranks' CTAs walking the table."""
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import random
 from collections import Counter, defaultdict
@@ -19,7 +18,6 @@ from k3mono.floor import floor_bytes
 from k3mono.layout import peer_layout, scratch_layout
 from k3mono.planner import (
     COL,
-    FINAL_LATE_WAIT,
     MAX_WAITS,
     PEER_FLAGS,
     TABLE_COLUMNS,
@@ -328,19 +326,6 @@ def test_prefetch_moves_final_weights_into_the_prefetch_tasks():
     assert sum(t.weight_bytes for t in fetch) == plain_final > 0
     assert all(not t.waits and not t.raises for t in fetch)
     assert MonoOptions.from_bits(prefetched.options.bits()) == prefetched.options
-
-
-@pytest.mark.parametrize("tokens,prefetch", [(1, False), (4, True)])
-def test_final_waits_for_the_latent_last_so_final_shared_early_can_defer_it(tokens, prefetch):
-    table = table_for("kimi-k3", 8, tokens, prefetch_final=prefetch)
-    finals = [t for t in table.tasks if t.kind == TaskKind.FINAL]
-    assert finals
-    for task in finals:
-        assert [w.flag for w in task.waits] == [Flag.SHARED_READY, Flag.LATENT_READY]
-        assert task.waits[FINAL_LATE_WAIT].flag == Flag.LATENT_READY
-        assert not any(w.before_loads for w in task.waits)
-    options = dataclasses.replace(table.options, final_shared_early=True)
-    assert MonoOptions.from_bits(options.bits()) == options
 
 
 def test_floor_matches_the_measured_tp8_numbers():

@@ -67,7 +67,7 @@ import triton.language as tl
 from .attnres import seam_mix_task, seam_norm_task, seam_score_task
 from .common import INTERPRET
 from .experts import GROUP, expert_down_task, expert_gate_up_task
-from .final import final_routed, final_shared
+from .final import final_task
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
 from .gemv import store_rows
@@ -285,14 +285,6 @@ def final_push_task(
     peer_table_ptr,  # int64 [NP]
     slot,  # fp32 AR3 [S, H] of this rank
     word,
-    row_ptr,  # int32 [NCOL]: the task's table row (its waits)
-    flags_ptr,
-    epoch,
-    limit,
-    health_ptr,
-    rank,
-    layer,
-    ticket,
     S: tl.constexpr,
     H: tl.constexpr,
     L_R: tl.constexpr,
@@ -306,23 +298,11 @@ def final_push_task(
     UPCAST: tl.constexpr,
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
-    SLEEP_NS: tl.constexpr,
-    SHARED_EARLY: tl.constexpr,  # the shared term before the LATENT_READY wait (MonoOptions.final_shared_early)
-    LATE_WAIT: tl.constexpr,  # planner.FINAL_LATE_WAIT
 ):
-    """kernels/final.py's final_task pushed to every rank's AR3 slot. With
-    SHARED_EARLY the caller has met every wait but LATE_WAIT, which this task
-    meets between its two terms; it returns whether it did (nothing is
-    pushed otherwise)."""
-    shared = final_shared(tile, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, SI_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_S, UPCAST)
-    ok = 1
-    if SHARED_EARLY:
-        ok = _wait_word(LATE_WAIT, row_ptr, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
-    if ok != 0:
-        routed = final_routed(tile, lat_ptr, L_R, w_up_ptr, L_R, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST)
-        _push_rows(peer_table_ptr, slot, H, routed + shared, tile * F_ROWS, S, H, SP, F_ROWS, NP, tl.float32)
-        _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
-    return ok
+    acc = final_task(tile, lat_ptr, L_R, w_up_ptr, L_R, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, L_R, SI_R, SP, F_ROWS,
+                     F_BK, USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST)
+    _push_rows(peer_table_ptr, slot, H, acc, tile * F_ROWS, S, H, SP, F_ROWS, NP, tl.float32)
+    _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
 @triton.jit
@@ -548,8 +528,6 @@ def _mono_kernel(
     F_BK: tl.constexpr,
     F_EVEN_L: tl.constexpr,
     F_EVEN_S: tl.constexpr,
-    FINAL_SHARED_EARLY: tl.constexpr,  # planner.MonoOptions.final_shared_early
-    FINAL_LATE_WAIT: tl.constexpr,  # planner.FINAL_LATE_WAIT
     GU_ROWS: tl.constexpr,
     GU_BG: tl.constexpr,
     DN_ROWS: tl.constexpr,
@@ -679,12 +657,9 @@ def _mono_kernel(
                         _prefetch_rows(w2_ptr + ex * (L * I_R // 2), start, stop, L, I_R // 2)
                         _prefetch_rows(w2s_ptr + ex * (L * I_R // GROUP), start, stop, L, I_R // GROUP)
 
-        # (3) the other waits, in table order (but a FINAL task's last, with FINAL_SHARED_EARLY: it waits itself)
-        deferred = 0
-        if FINAL_SHARED_EARLY:
-            deferred = (kind == K_FINAL).to(tl.int32)
+        # (3) the other waits, in table order
         for i in tl.static_range(MAX_WAITS):
-            if (i >= naddr) & (i < nwaits - deferred) & (ok != 0):
+            if (i >= naddr) & (i < nwaits) & (ok != 0):
                 ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
 
         # (4) the task; the next ticket now, its atomic's latency hidden behind the task
@@ -758,11 +733,9 @@ def _mono_kernel(
                 latent_norm_task(token, rank, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L_R, T, L, L_R, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
-                ok = ok & final_push_task(tile, lat_ptr, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
-                                          pf + AR3_F + rank * (S * H), FLAG_I + rword, row, flags, epoch, spin_limit,
-                                          health_ptr, rank, layer, ticket, S, H, L_R, SI_R, SP, F_ROWS, F_BK, USE_DOT,
-                                          F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE, SLEEP_NS, FINAL_SHARED_EARLY,
-                                          FINAL_LATE_WAIT)
+                final_push_task(tile, lat_ptr, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
+                                pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L_R, SI_R, SP, F_ROWS, F_BK,
+                                USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
                 reduce3_task(start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
             elif kind == K_NOP:
