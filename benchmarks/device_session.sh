@@ -22,7 +22,7 @@
 # launch's trace at 16, 32 and 64 value rows an M1B task; m1c_tiles: M1c alone at other tiles and splits (32 K);
 # m1c_profile: M1c's counters (S = 4); bulk: the bulk L2 prefetch modes (mono); ctas3: S = 1 at 3 CTAs a SM;
 # shared: the shared gate/up task rows; route: the route's tasks before the shared ones;
-# final_bulk: PREFETCH_FINAL tasks with the bulk prefetch;
+# final_bulk: PREFETCH_FINAL tasks with the bulk prefetch; shared_late: SHARED_GU after EXPERT_GU;
 # tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -168,6 +168,11 @@ for s in $STEPS; do
         MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0 --expert-lookahead 1"
         step final_bulk_s1 90 $MONO --tokens 1 --down-rows 16 --shared-rows 2 --route-early 1 --prefetch-final 0 1
         step final_bulk_s2_8_16 200 $MONO --tokens 2 8 16 --prefetch-final 0 1 ;;
+    shared_late)  # SHARED_GU after EXPERT_GU in the table or before it (MonoOptions.shared_late), mono, S = 1, 2, 4, 8
+        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0 --expert-lookahead 1 --prefetch-final 1"
+        step shared_late_s1 90 $MONO --tokens 1 --down-rows 16 --shared-rows 2 --route-early 1 --shared-late 0 1
+        step shared_late_s1_rows8 60 $MONO --tokens 1 --down-rows 16 --shared-rows 8 --route-early 1 --shared-late 1
+        step shared_late_s2_4_8 200 $MONO --tokens 2 4 8 --shared-late 0 1 ;;
     mla_check_one)  # the MLA check's one case: fp8 cache, 32 K, S = 1 (staged and the folds)
         step gpu_check_mla_one 300 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 32768 --kv fp8 ;;
     m1c_profile)  # Nsight Compute counters of M1c alone: fp8, 32 K, S = 4, 66 splits, the default tile

@@ -9,7 +9,7 @@ grid, not a register budget, sets how many warps an SM holds).
                                     [--dense-step-kb 8 16 32] [--gate-up-rows 32 16 8] [--down-rows 32 16 8]
                                     [--router-rows 8 4 2] [--shared-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
-                                    [--route-early 0 1]
+                                    [--route-early 0 1] [--shared-late 0 1]
                                     [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--skip-staged | --skip-mono]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
@@ -19,6 +19,7 @@ grid, not a register budget, sets how many warps an SM holds).
 ``--expert-lookahead`` whether the expert loops load a step ahead (TileChoice.expert_lookahead);
 ``--prefetch-final`` whether PREFETCH_FINAL tasks pull FINAL's weights into L2 (MonoOptions.prefetch_final);
 ``--route-early`` whether the route's tasks come before SHARED_GU in the table (MonoOptions.route_early);
+``--shared-late`` whether SHARED_GU comes after EXPERT_GU in the table (MonoOptions.shared_late);
 ``--oproj-rows`` / ``--final-rows`` the rows of an o_proj / FINAL task (TileChoice.oproj_rows, final_rows).
 """
 
@@ -70,6 +71,7 @@ def main() -> None:
                         help="TileChoice.expert_lookahead (0 / 1)")
     parser.add_argument("--prefetch-final", type=int, nargs="+", default=[0], help="MonoOptions.prefetch_final (0 / 1)")
     parser.add_argument("--route-early", type=int, nargs="+", default=[0], help="MonoOptions.route_early (0 / 1)")
+    parser.add_argument("--shared-late", type=int, nargs="+", default=[0], help="MonoOptions.shared_late (0 / 1)")
     parser.add_argument("--oproj-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.oproj_rows")
     parser.add_argument("--final-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.final_rows")
     parser.add_argument("--skip-staged", action="store_true", help="time the mono launch only")
@@ -86,15 +88,16 @@ def main() -> None:
                        args.expert_lookahead, args.oproj_rows, args.final_rows)]
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
-        knobs = itertools.product(args.prefetch, args.prefetch_final, args.route_early, args.poll_sleep_ns, args.ctas,
-                                  [] if args.skip_mono else choices)
-        for prefetch, prefetch_final, route_early, sleep_ns, config, tiles in knobs:
+        knobs = itertools.product(args.prefetch, args.prefetch_final, args.route_early, args.shared_late,
+                                  args.poll_sleep_ns, args.ctas, [] if args.skip_mono else choices)
+        for prefetch, prefetch_final, route_early, shared_late, sleep_ns, config, tiles in knobs:
             ctas, _, cap = config.partition(":")
             label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} final {prefetch_final} route early "
-                     f"{route_early} sleep {sleep_ns} ns ctas/SM {config} {_tiles_text(tiles)}")
+                     f"{route_early} shared late {shared_late} sleep {sleep_ns} ns ctas/SM {config} {_tiles_text(tiles)}")
             try:
                 options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, poll_sleep_ns=sleep_ns,
-                                      prefetch_final=bool(prefetch_final), route_early=bool(route_early))
+                                      prefetch_final=bool(prefetch_final), route_early=bool(route_early),
+                                      shared_late=bool(shared_late))
                 mono = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch,
                                  max_registers=int(cap) if cap else None)
                 print(f"{label}: {mono * 1e6:8.1f} us", flush=True)

@@ -500,7 +500,8 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #   ROUTE         per token: the top-K of its parts' (the merge)
 #                 (option route_early: ROUTE_PART and ROUTE before SHARED_GU, so
 #                 the CTAs that take them wait for the router instead of being
-#                 taken last, behind every shared task)
+#                 taken last, behind every shared task; option shared_late:
+#                 SHARED_GU after EXPERT_GU, the route before both)
 #   EXPERT_GU     token-major, then slot, then tile: ACT[0] completes first
 #   EXPERT_DOWN   token-major, AFTER every EXPERT_GU (not interleaved per token:
 #                 interleaving would leave CTAs idle at every token boundary,
@@ -539,7 +540,8 @@ OPT_PREFETCH_FINAL = 1 << 0
 OPT_M1B = 1 << 1
 OPT_M1C = 1 << 2
 OPT_ROUTE_EARLY = 1 << 3
-OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY
+OPT_SHARED_LATE = 1 << 4
+OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE
 
 
 class TaskKind(enum.IntEnum):
@@ -618,6 +620,11 @@ class MonoOptions:
     slots of its SM to the CTA beside it.
     route_early (a build-key bit, ``bits()``): the route's tasks (ROUTE_PART,
     ROUTE) come before SHARED_GU in the table instead of after it.
+    shared_late (a build-key bit, ``bits()``): SHARED_GU comes after EXPERT_GU
+    (and the route before both), so the gate/up tasks get CTAs the moment the
+    route is known while the shared tasks fill the CTAs the gate/up tasks leave
+    free (at S = 1, 192 gate/up tasks for 264 CTAs); FINAL, their only consumer,
+    comes long after.
     """
 
     prefetch_final: bool = False
@@ -627,10 +634,12 @@ class MonoOptions:
     tiles: TileChoice = TileChoice()
     poll_sleep_ns: int = 0
     route_early: bool = False
+    shared_late: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
-                | (OPT_M1C if self.m1c is not None else 0) | (OPT_ROUTE_EARLY if self.route_early else 0))
+                | (OPT_M1C if self.m1c is not None else 0) | (OPT_ROUTE_EARLY if self.route_early else 0)
+                | (OPT_SHARED_LATE if self.shared_late else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
@@ -643,7 +652,8 @@ class MonoOptions:
         if bool(bits & OPT_M1C) != (m1c is not None):
             raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
         return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
-                   tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY))
+                   tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY),
+                   shared_late=bool(bits & OPT_SHARED_LATE))
 
 
 @dataclass(frozen=True)
@@ -1165,14 +1175,19 @@ class _Planner:
             self.add(TaskKind.REDUCE3, tile=tile, span=(lo, hi),
                      waits=[_WaitSpec(Flag.AR3, tile, self.tp * producers)])
 
-    def _route_and_shared(self) -> tuple:
-        """SHARED_GU then the route's kinds, or the route first (MonoOptions.route_early)."""
+    def _route_shared_and_gate_up(self) -> tuple:
+        """SHARED_GU, the route's kinds, EXPERT_GU; or the route first (MonoOptions.route_early);
+        or the route, EXPERT_GU, then SHARED_GU (MonoOptions.shared_late)."""
         route = (self.route_part, self.route)
-        return (*route, self.shared_gate_up) if self.options.route_early else (self.shared_gate_up, *route)
+        if self.options.shared_late:
+            return (*route, self.expert_gate_up, self.shared_gate_up)
+        if self.options.route_early:
+            return (*route, self.shared_gate_up, self.expert_gate_up)
+        return (self.shared_gate_up, *route, self.expert_gate_up)
 
     def in_table_order(self) -> list[_TaskSpec]:
         for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_score, self.seam_mix, self.seam_norm,
-                     self.router, self.latent_down, *self._route_and_shared(), self.expert_gate_up, self.expert_down,
+                     self.router, self.latent_down, *self._route_shared_and_gate_up(), self.expert_down,
                      self.prefetch_final, self.latent_norm, self.final, self.reduce3):
             step()
         return self.specs

@@ -167,17 +167,18 @@ def test_a_timeout_downstream_of_a_stalled_exchange_still_names_the_missing_rank
         runner.check_health()
 
 
-def test_prefetch_prefetch_final_and_the_route_first_change_no_bits():
+def test_prefetch_prefetch_final_the_route_first_and_the_shared_tasks_last_change_no_bits():
     cfg, tokens, layer = preset("tiny"), 1, 1
     shards = shard_all(layer_weights(), cfg, 1)
     inputs = random_inputs(cfg, tokens, layer, seed=21)
-    plain = MonoRunner(cfg, shards, tokens, layer, prefetch=0)(**inputs)
-    options = MonoOptions(prefetch_final=True, route_early=True)
-    eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=options)
-    assert eager.compiled.table.summary().tasks_per_kind.get(9)  # PREFETCH_FINAL tasks present
-    kinds = [task.kind for task in eager.compiled.table.tasks]
-    assert kinds.index(TaskKind.ROUTE) < kinds.index(TaskKind.SHARED_GU)
-    assert same_bits(plain, eager(**inputs))
+    plain = MonoRunner(cfg, shards, tokens, layer, prefetch=0, options=MonoOptions())(**inputs)
+    for options in (MonoOptions(prefetch_final=True, route_early=True), MonoOptions(shared_late=True)):
+        eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=options)
+        kinds = [task.kind for task in eager.compiled.table.tasks]
+        assert (TaskKind.PREFETCH_FINAL in kinds) == options.prefetch_final
+        assert kinds.index(TaskKind.ROUTE) < kinds.index(TaskKind.SHARED_GU)
+        assert (kinds.index(TaskKind.EXPERT_GU) < kinds.index(TaskKind.SHARED_GU)) == options.shared_late
+        assert same_bits(plain, eager(**inputs))
 
 
 def test_an_unknown_prefetch_mode_is_refused_before_any_build():

@@ -79,10 +79,11 @@ def m1c_shape(name: str, tp: int, tokens: int) -> M1cShape:
 
 @lru_cache(maxsize=None)
 def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False, mla: str | None = None,
-              route_early: bool = False):
+              route_early: bool = False, shared_late: bool = False):
     m1b = m1b_shape(name, tp) if mla else None
     m1c = m1c_shape(name, tp, tokens) if mla == "m1c" else None
-    options = MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c, route_early=route_early)
+    options = MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c, route_early=route_early,
+                          shared_late=shared_late)
     return plan(preset(name), tp, tokens, sms, options)
 
 
@@ -99,9 +100,11 @@ def raisers_of(table) -> dict:
 
 
 @pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
-@pytest.mark.parametrize("prefetch,route_early", [(False, False), (True, False), (False, True)])
-def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, mla, prefetch, route_early):
-    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla, route_early=route_early)
+@pytest.mark.parametrize("prefetch,route_early,shared_late",
+                         [(False, False, False), (True, False, False), (False, True, False), (True, False, True)])
+def test_every_wait_points_to_lower_tickets_of_its_raisers(name, tp, tokens, mla, prefetch, route_early, shared_late):
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla, route_early=route_early,
+                      shared_late=shared_late)
     raisers = raisers_of(table)
     for task in table.tasks:
         assert len(task.waits) <= MAX_WAITS and len(task.raises) <= 1
@@ -141,17 +144,20 @@ def test_flag_words_are_distinct_and_in_range(name, tp, tokens, mla):
     assert {flag for flag, _ in table.flag_slots} == set(Flag)
 
 
-@pytest.mark.parametrize("prefetch,route_early", [(False, False), (True, False), (False, True)])
-def test_kinds_come_in_the_documented_order(prefetch, route_early):
-    table = table_for("kimi-k3", 8, 4, prefetch_final=prefetch, route_early=route_early)
+@pytest.mark.parametrize("prefetch,route_early,shared_late",
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)])
+def test_kinds_come_in_the_documented_order(prefetch, route_early, shared_late):
+    table = table_for("kimi-k3", 8, 4, prefetch_final=prefetch, route_early=route_early, shared_late=shared_late)
     kinds = [group.kind for group in table.groups()]
     expected = list(KIND_ORDER)
     if prefetch:
         expected.insert(expected.index(TaskKind.LATENT_NORM), TaskKind.PREFETCH_FINAL)
-    if route_early:
+    if route_early or shared_late:
         expected.remove(TaskKind.SHARED_GU)
-        expected.insert(expected.index(TaskKind.ROUTE) + 1, TaskKind.SHARED_GU)
+        after = TaskKind.EXPERT_GU if shared_late else TaskKind.ROUTE
+        expected.insert(expected.index(after) + 1, TaskKind.SHARED_GU)
     assert kinds == expected
+    assert MonoOptions.from_bits(table.options.bits()) == table.options
     # the MoE's static weights are right behind the seam: they stream while AR1 settles
     first = {g.kind: g.tasks[0].ticket for g in table.groups()}
     seam_end = table.groups()[kinds.index(TaskKind.SEAM_NORM)].tasks[-1].ticket
