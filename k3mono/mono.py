@@ -152,29 +152,26 @@ same bytes a step. Measured on the H200 (benchmarks/mono_sweep.py --gate-up-rows
 32 / 8 88.8, 16 / 16 86.0, 8 / 8 95.6; at S = 8 32 / 16 cost 16 us (240.2
 against 224.3) and fewer gate/up rows more."""
 
-SINGLE_TOKEN_SHARED_ROWS = 2
-"""Shared gate/up task rows of the mono launch at S = 1 (planner.SHARED_ROWS: 8
-elsewhere): 384 tasks instead of 96, done before the expert tasks need their
-CTAs. Measured on the H200 (benchmarks/mono_sweep.py --shared-rows, docs/PERF.md):
-S = 1 8 / 4 / 2 rows 85.3 / 85.4 / 83.4 us, twice more 85.8 / 83.4 and 85.9 /
-83.4 (8 / 2); S = 2 105.4 / 111.0 / 109.6 and S = 4 151.4 / 156.4 / 155.9 (8 stays)."""
-
 
 def default_tiles(tokens: int) -> TileChoice:
-    """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows
-    and SINGLE_TOKEN_SHARED_ROWS shared gate/up rows."""
+    """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows."""
     if tokens == 1:
-        return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
-                                   shared_rows=SINGLE_TOKEN_SHARED_ROWS)
+        return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS)
     return DEFAULT_TILES
 
 
-SINGLE_TOKEN_ROUTE_EARLY = True
-"""The route's tasks before SHARED_GU in the table at S = 1 (MonoOptions.route_early):
-with 384 shared tasks ahead of it (SINGLE_TOKEN_SHARED_ROWS) the route was taken
-last and known 5.8 us later than before (the trace). Measured on the H200
-(benchmarks/mono_sweep.py --route-early, docs/PERF.md): S = 1 83.3 -> 81.2 us;
-S = 2 105.4 -> 106.2, S = 8 224.4 -> 224.1, S = 16 368.8 -> 368.5 (kept off there)."""
+SINGLE_TOKEN_SHARED_LATE = True
+"""At S = 1 the table runs the route, then EXPERT_GU, then SHARED_GU
+(MonoOptions.shared_late): the 192 gate/up tasks get CTAs the moment the route
+is known, and the 96 shared tasks (planner.SHARED_ROWS rows) run on the 72 CTAs
+they leave free. Before (sixth to eighth sessions), 384 shared tasks of 2 rows
+ran ahead of the gate/up tasks, with the route moved before them
+(route_early): some gate/up tasks then started only when the shared tasks
+ended, 7.7 us after the route was known (the trace at 5122178). Measured on the
+H200 (benchmarks/mono_sweep.py --shared-late --shared-rows, docs/PERF.md),
+2 rows route first -> 8 rows shared late: 79.3 -> 78.3, 78.9 -> 78.3, 78.8 ->
+78.2 us (4 rows shared late 86.5, 2 rows 83.6); S = 2, 4, 8 lose with it (104.4
+-> 110.7, 150.9 -> 164.6, 223.2 -> 227.0)."""
 
 
 DEFAULT_PREFETCH_FINAL = True
@@ -191,10 +188,10 @@ into registers, it gained nothing: 3056def.)"""
 
 def default_options(tokens: int, **choices) -> MonoOptions:
     """MonoOptions at the measured defaults for S = ``tokens`` (DEFAULT_CTAS_PER_SM,
-    default_tiles, DEFAULT_POLL_SLEEP_NS, DEFAULT_PREFETCH_FINAL, SINGLE_TOKEN_ROUTE_EARLY
+    default_tiles, DEFAULT_POLL_SLEEP_NS, DEFAULT_PREFETCH_FINAL, SINGLE_TOKEN_SHARED_LATE
     at S = 1), any field overridden by ``choices``."""
     fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS,
-                  prefetch_final=DEFAULT_PREFETCH_FINAL, route_early=SINGLE_TOKEN_ROUTE_EARLY and tokens == 1)
+                  prefetch_final=DEFAULT_PREFETCH_FINAL, shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1)
     return MonoOptions(**{**fields, **choices})
 
 

@@ -20,7 +20,7 @@ import triton
 
 from k3mono.config import preset
 from k3mono.errors import K3InputError
-from k3mono.mono import (DEFAULT_TILES, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_ROWS, MonoBuild, MonoRunner,
+from k3mono.mono import (DEFAULT_TILES, SINGLE_TOKEN_DOWN_ROWS, MonoBuild, MonoRunner,
                          MonoTimeout, build, buffer_bytes, mono_key, peer_regions, scratch_regions)
 from k3mono.planner import COL, MonoOptions, TaskKind, TileChoice
 from k3mono.reference import layer_post_tp
@@ -272,17 +272,19 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
     assert math.prod(rows.shape) > 0
 
 
-def test_default_tiles_take_fewer_down_and_shared_rows_at_one_token_only():
-    """The measured defaults (mono.default_tiles): S = 1 takes SINGLE_TOKEN_DOWN_ROWS
-    down rows and SINGLE_TOKEN_SHARED_ROWS shared gate/up rows, every other S
-    DEFAULT_TILES; a caller's options are kept as given."""
+def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_only():
+    """The measured defaults (mono.default_options): S = 1 takes SINGLE_TOKEN_DOWN_ROWS
+    down rows and SHARED_GU after EXPERT_GU, every other S DEFAULT_TILES and the
+    planner's order; every S the FINAL prefetch; a caller's options are kept as given."""
     cfg = preset("kimi-k3")
-    tiles = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132).tiles for s in (1, 2, 8, 16)}
-    assert tiles[1] == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
-                               shared_rows=SINGLE_TOKEN_SHARED_ROWS) != DEFAULT_TILES
-    assert tiles[2] == tiles[8] == tiles[16] == DEFAULT_TILES
+    keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 8, 16)}
+    assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS) != DEFAULT_TILES
+    assert keys[2].tiles == keys[8].tiles == keys[16].tiles == DEFAULT_TILES
+    assert [MonoOptions.from_bits(k.opt).shared_late for k in keys.values()] == [True, False, False, False]
+    assert all(MonoOptions.from_bits(k.opt).prefetch_final for k in keys.values())
     given = MonoOptions(tiles=TileChoice(down_rows=32))
-    assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).tiles == TileChoice(down_rows=32)
+    given_key = mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given)
+    assert given_key.tiles == TileChoice(down_rows=32) and given_key.opt == given.bits()
 
 
 def test_mono_rejects_more_than_16_tokens():
