@@ -164,12 +164,14 @@ for s in $STEPS; do
     tiles_check)  # S = 1 and 2: down rows 32 against 16 (the S = 1 default), gate/up rows 32 (mono)
         step mono_tiles_check 150 python3 benchmarks/mono_sweep.py --tokens 1 2 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --down-rows 32 16 --skip-staged ;;
-    final_bulk)  # PREFETCH_FINAL tasks (bulk L2 prefetch) off / on at the mono defaults, S = 1, 2, 8, 16
-        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0 --expert-lookahead 1"
+    final_bulk)  # PREFETCH_FINAL tasks (bulk L2 prefetch) off / on at the eighth session's defaults, S = 1, 2, 8, 16
+        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
+        MONO="$MONO --expert-lookahead 1"
         step final_bulk_s1 90 $MONO --tokens 1 --down-rows 16 --shared-rows 2 --route-early 1 --prefetch-final 0 1
         step final_bulk_s2_8_16 200 $MONO --tokens 2 8 16 --prefetch-final 0 1 ;;
     shared_late)  # SHARED_GU after EXPERT_GU in the table or before it (MonoOptions.shared_late), mono, S = 1, 2, 4, 8
-        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0 --expert-lookahead 1 --prefetch-final 1"
+        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
+        MONO="$MONO --expert-lookahead 1 --prefetch-final 1"
         step shared_late_s1 90 $MONO --tokens 1 --down-rows 16 --shared-rows 2 --route-early 1 --shared-late 0 1
         step shared_late_s1_rows8 60 $MONO --tokens 1 --down-rows 16 --shared-rows 8 --route-early 1 --shared-late 1
         step shared_late_s2_4_8 200 $MONO --tokens 2 4 8 --shared-late 0 1 ;;

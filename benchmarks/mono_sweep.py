@@ -93,7 +93,8 @@ def main() -> None:
         for prefetch, prefetch_final, route_early, shared_late, sleep_ns, config, tiles in knobs:
             ctas, _, cap = config.partition(":")
             label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} final {prefetch_final} route early "
-                     f"{route_early} shared late {shared_late} sleep {sleep_ns} ns ctas/SM {config} {_tiles_text(tiles)}")
+                     f"{route_early} shared late {shared_late} sleep {sleep_ns} ns ctas/SM {config} "
+                     f"{_tiles_text(tiles)}")
             try:
                 options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, poll_sleep_ns=sleep_ns,
                                       prefetch_final=bool(prefetch_final), route_early=bool(route_early),
