@@ -40,6 +40,8 @@ MLA_CONTEXTS="${MLA_CONTEXTS:-32768 1024 131072}" MLA_KV="${MLA_KV:-fp8 bf16}" M
 # The mono check's token counts (issue 4 asks for these; each adds 15 to 30 s).
 CHECK_TOKENS="${CHECK_TOKENS:-1 2 4 8 16}"
 VARIANT_TOKENS="${VARIANT_TOKENS:-1 8}"  # the variants table's token counts (each about 100 s)
+# The mono sweeps' common part (mono launch only, o_proj and FINAL tasks of 32 rows).
+MONO_SWEEP="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32"
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
 
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its tail
@@ -145,33 +147,31 @@ for s in $STEPS; do
         step mono_tiles_s28 200 python3 benchmarks/mono_sweep.py --tokens 2 8 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 --down-rows 32 16 8 --skip-staged ;;
     bulk)  # the bulk L2 prefetch, modes 0 / 2 (mono): S = 1, 8, the S = 1 trace
-        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32"
+        MONO="$MONO_SWEEP"
         step bulk_s1 70 $MONO --tokens 1 --ctas 2 --prefetch 0 2 --expert-lookahead 1 --down-rows 16
         step bulk_s8 70 $MONO --tokens 8 --ctas 2 --prefetch 0 2 --expert-lookahead 1
         step bulk_trace 100 python3 benchmarks/mono_trace.py --tokens 1 --prefetch 0 2 --out "$RESULTS" ;;
     ctas3)  # S = 1 at 3 CTAs a SM (no lookahead: 168 registers) and smaller expert tasks, beside the defaults (mono)
-        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --tokens 1 --prefetch 0"
+        MONO="$MONO_SWEEP --tokens 1 --prefetch 0"
         step ctas3_default 40 $MONO --ctas 2 --expert-lookahead 1 --down-rows 16
         step ctas3_s1 120 $MONO --ctas 3 --expert-lookahead 0 --gate-up-rows 32 16 --down-rows 16 8 ;;
     shared)  # shared gate/up task rows 8 / 4 / 2 (TileChoice.shared_rows, FMA path), mono, S = 1, 2, 4
-        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
+        MONO="$MONO_SWEEP --ctas 2 --prefetch 0"
         step shared_rows_s1 100 $MONO --tokens 1 --down-rows 16 --expert-lookahead 1 --shared-rows 8 4 2
         step shared_rows_s24 150 $MONO --tokens 2 4 --expert-lookahead 1 --shared-rows 8 4 2 ;;
     route)  # the route's tasks before SHARED_GU in the table or after (MonoOptions.route_early), mono, S = 1, 2, 8, 16
-        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
+        MONO="$MONO_SWEEP --ctas 2 --prefetch 0"
         step route_s1 80 $MONO --tokens 1 --down-rows 16 --shared-rows 2 --expert-lookahead 1 --route-early 0 1
         step route_s2_8_16 200 $MONO --tokens 2 8 16 --expert-lookahead 1 --route-early 0 1 ;;
     tiles_check)  # S = 1 and 2: down rows 32 against 16 (the S = 1 default), gate/up rows 32 (mono)
         step mono_tiles_check 150 python3 benchmarks/mono_sweep.py --tokens 1 2 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --down-rows 32 16 --skip-staged ;;
     final_bulk)  # PREFETCH_FINAL tasks (bulk L2 prefetch) off / on at the eighth session's defaults, S = 1, 2, 8, 16
-        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
-        MONO="$MONO --expert-lookahead 1"
+        MONO="$MONO_SWEEP --ctas 2 --prefetch 0 --expert-lookahead 1"
         step final_bulk_s1 90 $MONO --tokens 1 --down-rows 16 --shared-rows 2 --route-early 1 --prefetch-final 0 1
         step final_bulk_s2_8_16 200 $MONO --tokens 2 8 16 --prefetch-final 0 1 ;;
     shared_late)  # SHARED_GU after EXPERT_GU in the table or before it (MonoOptions.shared_late), mono, S = 1, 2, 4, 8
-        MONO="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32 --ctas 2 --prefetch 0"
-        MONO="$MONO --expert-lookahead 1 --prefetch-final 1"
+        MONO="$MONO_SWEEP --ctas 2 --prefetch 0 --expert-lookahead 1 --prefetch-final 1"
         step shared_late_s1 90 $MONO --tokens 1 --down-rows 16 --shared-rows 2 --route-early 1 --shared-late 0 1
         step shared_late_s1_rows8 60 $MONO --tokens 1 --down-rows 16 --shared-rows 8 --route-early 1 --shared-late 1
         step shared_late_s2_4_8 200 $MONO --tokens 2 4 8 --shared-late 0 1 ;;

@@ -280,11 +280,10 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS) != DEFAULT_TILES
     assert keys[2].tiles == keys[8].tiles == keys[16].tiles == DEFAULT_TILES
-    assert [MonoOptions.from_bits(k.opt).shared_late for k in keys.values()] == [True, False, False, False]
-    assert all(MonoOptions.from_bits(k.opt).prefetch_final for k in keys.values())
+    assert [k.options.shared_late for k in keys.values()] == [True, False, False, False]
+    assert all(k.options.prefetch_final for k in keys.values())
     given = MonoOptions(tiles=TileChoice(down_rows=32))
-    given_key = mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given)
-    assert given_key.tiles == TileChoice(down_rows=32) and given_key.opt == given.bits()
+    assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).options == given
 
 
 def test_mono_rejects_more_than_16_tokens():
