@@ -35,14 +35,15 @@ from k3mono.mono import DEFAULT_PREFETCH, default_options, default_tiles
 from k3mono.planner import BACK_BLOCK_DV, TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
-from k3mono.trace import format_summary, summarize
+from k3mono.trace import format_summary, summarize, ticket_rows
 
 WARM_LAUNCHES = 3
 
 
 def traced_launch(ranks) -> tuple[float, list]:
     """Launch every set's rank WARM_LAUNCHES times, then the others once more
-    and the first one last; its trace, summarized."""
+    and the first one last; its trace, summarized (the trace stays in
+    ``ranks[0].trace``)."""
     for _ in range(WARM_LAUNCHES):
         for rank in ranks:
             rank.launch()
@@ -93,6 +94,7 @@ def main() -> None:
         runners = runners_of(cfg, args.tp, tokens, sets, options=options, trace=True, prefetch=prefetch)
         ranks = [runner.rank_states[0] for runner in runners]
         launch_us, spans = traced_launch(ranks)
+        tickets = ticket_rows(ranks[0].trace, ranks[0].compiled.table)
         traced = time_graph([lambda runner=runner: runner.launch(0) for runner in runners])
         doubled = [doubled_text(ranks, kind) for kind in args.double]
         del runners, ranks
@@ -106,7 +108,8 @@ def main() -> None:
             os.makedirs(args.out, exist_ok=True)
             record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, m1b=args.m1b, m1b_rows=rows,
                           prefetch=prefetch, traced_us=traced * 1e6, plain_us=plain * 1e6, launch_span_us=launch_us,
-                          kinds=[dataclasses.asdict(s) for s in spans])
+                          kinds=[dataclasses.asdict(s) for s in spans],
+                          tickets_fields=["kind", "sm", "taken_us", "ready_us", "done_us"], tickets=tickets)
             name = f"mono-trace-S{tokens}-sleep{sleep_ns}{'-m1b' if args.m1b else ''}"
             if prefetch != DEFAULT_PREFETCH:
                 name += f"-prefetch{prefetch}"

@@ -165,9 +165,13 @@ EXPERT_LOOKAHEAD = False
 """An MXFP4 expert loop loads step i + 1 into registers before it runs step i's
 math (GemvTile.lookahead): each thread then keeps two steps of weights in flight
 instead of one, for the mono launch's few resident warps an SM (the trace had a
-100 KB expert task at 16 us, one memory round trip and its math a step). Off here
-(the staged path: its S = 8 lost 11 us with it, docs/PERF.md); the mono launch's
-default turns it on (mono.DEFAULT_TILES). Same bits either way."""
+100 KB expert task at 16 us, one memory round trip and its math a step). The
+step's activations (and, for down, its route weights) come with it: loaded in the
+step they are used, their L2 round trip opened every step (the mono launch at
+one rank of TP8 on the H200, the same machine: S = 1 78.4 -> 77.2 us, S = 8
+222.4 -> 219.7 with them loaded ahead). Off here (the staged path: its S = 8
+lost 11 us with it, docs/PERF.md); the mono launch's default turns it on
+(mono.DEFAULT_TILES). Same bits either way."""
 
 
 BACK_BLOCK_DV = 32

@@ -39,14 +39,28 @@ class KindSpan:
     run_max_us: float
 
 
-def summarize(trace: torch.Tensor, table) -> tuple[float, list[KindSpan]]:
-    """(launch span in us: last done - first taken, one KindSpan per task kind in table order)."""
+def _readings(trace: torch.Tensor, table) -> torch.Tensor:
+    """The trace's rows on the CPU [tickets, 4] int64, checked complete."""
     rows = trace.detach().to("cpu", torch.int64)
     if rows.shape != (len(table.tasks), 4):
         raise ValueError(f"trace: expected shape ({len(table.tasks)}, 4), got {tuple(rows.shape)}")
-    sm, taken, ready, done = rows.unbind(1)
-    if bool((taken == 0).any()):
+    if bool((rows[:, 1] == 0).any()):
         raise ValueError("trace: some tickets were never recorded (the launch did not finish, or did not trace)")
+    return rows
+
+
+def ticket_rows(trace: torch.Tensor, table) -> list[list]:
+    """Every ticket as [kind, SM, taken, ready, done] (us after the launch's first
+    ticket), in ticket order: which CTA held what, when."""
+    rows = _readings(trace, table)
+    origin = int(rows[:, 1].min())
+    return [[task.kind.name, int(row[0])] + [round((int(t) - origin) / NS_PER_US, 3) for t in row[1:]]
+            for task, row in zip(table.tasks, rows)]
+
+
+def summarize(trace: torch.Tensor, table) -> tuple[float, list[KindSpan]]:
+    """(launch span in us: last done - first taken, one KindSpan per task kind in table order)."""
+    sm, taken, ready, done = _readings(trace, table).unbind(1)
     origin = int(taken.min())
     tickets_of: dict = {}
     for task in table.tasks:

@@ -11,7 +11,7 @@ from k3mono.errors import K3InputError
 from k3mono.mono import MonoRunner
 from k3mono.planner import MonoOptions, TaskKind, plan
 from k3mono.synthetic import random_inputs, random_layer
-from k3mono.trace import summarize
+from k3mono.trace import summarize, ticket_rows
 from k3mono.weights import shard_all
 
 ORIGIN_NS = 10_000_000
@@ -45,6 +45,18 @@ def test_summarize_gives_each_kind_its_span_in_table_order():
         assert span.run_us == pytest.approx(0.01) and span.run_max_us == pytest.approx(0.01)
         assert span.sms == len({t % 5 for t in tickets})
     assert spans[0].kind == TaskKind.OPROJ.name
+
+
+def test_ticket_rows_give_each_ticket_its_kind_sm_and_readings_after_the_first():
+    table = plan(preset("tiny"), 2, 3, 7, MonoOptions())
+    rows = ticket_rows(synthetic_trace(table), table)
+    assert len(rows) == len(table.tasks)
+    for task, (kind, sm, taken, ready, done) in zip(table.tasks, rows):
+        i = task.ticket
+        assert (kind, sm) == (task.kind.name, i % 5)
+        assert (taken, ready, done) == pytest.approx((i, 1.1 * i, 1.1 * i + 0.01))
+    with pytest.raises(ValueError, match="shape"):
+        ticket_rows(synthetic_trace(table)[:-1], table)
 
 
 def test_summarize_refuses_a_trace_of_another_table_or_with_unrecorded_tickets():

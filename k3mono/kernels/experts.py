@@ -47,6 +47,7 @@ from .mxfp4 import (
     OUT_RESCALE,
     act_pair_ptrs,
     e8m0_scale,
+    load_act_pairs,
     load_mxfp4_tile,
     mxfp4_group_dot,
     mxfp4_group_dot_pair,
@@ -73,6 +74,7 @@ def _gate_up_loads(
     w1_scale,  # u8 [I_R, L/32]
     w3,  # u8 [I_R, L/2]: the expert's w3
     w3_scale,  # u8 [I_R, L/32]
+    z_row,  # bf16 [L]: the token's latent
     g0,  # the step's first group (none loads past G_ROW: a lookahead's last step is free)
     rows,  # [ROWS] int32
     row_ok,
@@ -83,7 +85,8 @@ def _gate_up_loads(
     col_ok = groups < G_ROW
     words1, scales1 = load_mxfp4_tile(w1, w1_scale, groups, col_ok, rows, row_ok, G_ROW)
     words3, scales3 = load_mxfp4_tile(w3, w3_scale, groups, col_ok, rows, row_ok, G_ROW)
-    return words1, scales1, words3, scales3
+    a_ptrs, a_ok = act_pair_ptrs(z_row, groups, col_ok)
+    return words1, scales1, words3, scales3, load_act_pairs(a_ptrs, a_ok)
 
 
 @triton.jit
@@ -106,7 +109,7 @@ def expert_gate_up_task(
     DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
     STAGES: tl.constexpr = PIPELINE_STAGES,
     UNROLL: tl.constexpr = LOOP_UNROLL,
-    LOOKAHEAD: tl.constexpr = False,  # load step i + 1 before step i's math (GemvTile.lookahead)
+    LOOKAHEAD: tl.constexpr = False,  # load step i + 1 (weights, activations) before step i's math (GemvTile.lookahead)
 ):
     """Task = (pair s*K + j, tile of ROWS intermediate rows), pair-major."""
     TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
@@ -126,19 +129,17 @@ def expert_gate_up_task(
     # Per (group column, row) partials; the row sums are taken once, at the end.
     gate = tl.zeros((BLOCK_G, ROWS), tl.float32)
     up = tl.zeros((BLOCK_G, ROWS), tl.float32)
+    z_row = z_ptr + token * L
     if LOOKAHEAD:
-        ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, 0, rows, row_ok, G_ROW, BLOCK_G)
+        ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, 0, rows, row_ok, G_ROW, BLOCK_G)
     for g0 in tl.range(0, G_ROW, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
-        groups = g0 + tl.arange(0, BLOCK_G)
-        col_ok = groups < G_ROW
         if LOOKAHEAD:
-            words1, scales1, words3, scales3 = ahead
-            ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, g0 + BLOCK_G, rows, row_ok, G_ROW, BLOCK_G)
+            words1, scales1, words3, scales3, acts = ahead
+            ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, g0 + BLOCK_G, rows, row_ok, G_ROW, BLOCK_G)
         else:
-            words1, scales1, words3, scales3 = _gate_up_loads(w1, w1_scale, w3, w3_scale, g0, rows, row_ok, G_ROW,
-                                                              BLOCK_G)
-        a_ptrs, a_ok = act_pair_ptrs(z_ptr + token * L, groups, col_ok)
-        dot1, dot3 = mxfp4_group_dot_pair(words1, words3, a_ptrs, a_ok, DEQUANT)
+            words1, scales1, words3, scales3, acts = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, g0, rows,
+                                                                    row_ok, G_ROW, BLOCK_G)
+        dot1, dot3 = mxfp4_group_dot_pair(words1, words3, acts, DEQUANT)
         gate += dot1 * e8m0_scale(scales1)
         up += dot3 * e8m0_scale(scales3)
     g = to_bf16(tl.sum(gate, axis=0) * OUT_RESCALE)
@@ -195,7 +196,9 @@ def _expert_gate_up_kernel(
 def _down_loads(
     c0,  # the step's first (slot, group) column (none loads past K * G_ROW)
     token,
+    act_ptr,  # bf16 [S, K, I_R]
     ids_ptr,  # int32 [S, K]
+    route_w_ptr,  # fp32 [S, K]
     w2_ptr,  # u8 [E, L, I_R/2]
     w2_scale_ptr,  # u8 [E, L, I_R/32]
     rows,  # [ROWS] int32
@@ -213,7 +216,11 @@ def _down_loads(
     expert = tl.load(ids_ptr + pair, mask=col_ok, other=0).to(tl.int64)
     w2 = (w2_ptr + expert * (L * I_R // PACKING))[:, None]
     w2_scale = (w2_scale_ptr + expert * (L * G_ROW))[:, None]
-    return load_mxfp4_tile(w2, w2_scale, cols % G_ROW, col_ok, rows, row_ok, G_ROW)
+    words, scales = load_mxfp4_tile(w2, w2_scale, cols % G_ROW, col_ok, rows, row_ok, G_ROW)
+    a_ptrs, a_ok = act_pair_ptrs((act_ptr + pair * I_R)[:, None], cols % G_ROW, col_ok)
+    # The 2^63 the dot still owes rides on the route weight (both exact).
+    weight = tl.load(route_w_ptr + pair, mask=col_ok, other=0.0) * OUT_RESCALE
+    return words, scales, load_act_pairs(a_ptrs, a_ok), weight
 
 
 @triton.jit
@@ -233,7 +240,7 @@ def expert_down_task(
     DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
     STAGES: tl.constexpr = PIPELINE_STAGES,
     UNROLL: tl.constexpr = LOOP_UNROLL,
-    LOOKAHEAD: tl.constexpr = False,  # load step i + 1 before step i's math (GemvTile.lookahead)
+    LOOKAHEAD: tl.constexpr = False,  # load step i + 1 (weights, activations, route weights) before step i's math
 ):
     """Task = (token, tile of ROWS latent rows), token-major.
 
@@ -254,21 +261,17 @@ def expert_down_task(
 
     acc = tl.zeros((BLOCK_G, ROWS), tl.float32)
     if LOOKAHEAD:
-        ahead = _down_loads(0, token, ids_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R, BLOCK_G)
+        ahead = _down_loads(0, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R,
+                            BLOCK_G)
     for c0 in tl.range(0, COLS, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
-        cols = c0 + tl.arange(0, BLOCK_G)
-        col_ok = cols < COLS
-        pair = token * K + cols // G_ROW
-        groups = cols % G_ROW
         if LOOKAHEAD:
-            words, scales = ahead
-            ahead = _down_loads(c0 + BLOCK_G, token, ids_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R, BLOCK_G)
+            words, scales, acts, weight = ahead
+            ahead = _down_loads(c0 + BLOCK_G, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, rows, row_ok,
+                                K, L, I_R, BLOCK_G)
         else:
-            words, scales = _down_loads(c0, token, ids_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R, BLOCK_G)
-        # The 2^63 the dot still owes rides on the route weight (both exact).
-        weight = tl.load(route_w_ptr + pair, mask=col_ok, other=0.0) * OUT_RESCALE
-        a_ptrs, a_ok = act_pair_ptrs((act_ptr + pair * I_R)[:, None], groups, col_ok)
-        acc += mxfp4_group_dot(words, a_ptrs, a_ok, DEQUANT) * (e8m0_scale(scales) * weight[:, None])
+            words, scales, acts, weight = _down_loads(c0, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr,
+                                                      rows, row_ok, K, L, I_R, BLOCK_G)
+        acc += mxfp4_group_dot(words, acts, DEQUANT) * (e8m0_scale(scales) * weight[:, None])
     tl.store(out_ptr + token * L + rows, tl.sum(acc, axis=0), mask=row_ok)
 
 

@@ -225,11 +225,18 @@ def act_pair_ptrs(
 
 
 @triton.jit
-def _prescaled_pair(act_ptrs, act_ok, P: tl.constexpr):
-    """Activations of nibbles 2P and 2P + 1 as fp32 * 2^63, each [G, 1, 4]
-    (broadcast over rows). A bf16 is the high half of its fp32: the low
-    element moves up, the high one is masked in place."""
-    both = tl.load(act_ptrs + P, mask=act_ok, other=0)
+def load_act_pairs(act_ptrs, act_ok):
+    """A step's activations as loaded: the int32 pairs (2P, 2P + 1) of every
+    word, P = 0 .. 3, each [G, 4] (act_pair_ptrs)."""
+    return (tl.load(act_ptrs, mask=act_ok, other=0), tl.load(act_ptrs + 1, mask=act_ok, other=0),
+            tl.load(act_ptrs + 2, mask=act_ok, other=0), tl.load(act_ptrs + 3, mask=act_ok, other=0))
+
+
+@triton.jit
+def _prescaled_pair(both):
+    """Activations of nibbles 2P and 2P + 1 from their int32 pair ``both``, as
+    fp32 * 2^63, each [G, 1, 4] (broadcast over rows). A bf16 is the high half
+    of its fp32: the low element moves up, the high one is masked in place."""
     low = (both << BF16_SHIFT).to(tl.float32, bitcast=True) * ACT_PRESCALE
     high = (both & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * ACT_PRESCALE
     return low[:, None, :], high[:, None, :]
@@ -244,37 +251,39 @@ def _pair_terms(part, words, low, high, P: tl.constexpr, DEQUANT: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_group_dot(words, act_ptrs, act_ok, DEQUANT: tl.constexpr = DEFAULT_DEQUANT):
-    """words [G, R, 4] int32, activation pairs at act_ptrs [G, 4] ->
-    [G, R] fp32: each group's sum of E2M1 * a * 2^-63 (scale not applied).
+def mxfp4_group_dot(words, acts, DEQUANT: tl.constexpr = DEFAULT_DEQUANT):
+    """words [G, R, 4] int32, a step's activations ``acts`` (load_act_pairs,
+    loaded by the caller, a step ahead if it likes) -> [G, R] fp32: each
+    group's sum of E2M1 * a * 2^-63 (scale not applied).
 
     Pairs in the order 0, 2, 1, 3: pairs P and P + 2 share the masked words
     of DEQUANT_IMAD, which then die before the next two are made (fewer
     live registers; the fp32 sum's order is the compiler's anyway)."""
-    low, high = _prescaled_pair(act_ptrs, act_ok, 0)
+    low, high = _prescaled_pair(acts[0])
     part = _pair_terms(tl.zeros(words.shape, tl.float32), words, low, high, 0, DEQUANT)
-    low, high = _prescaled_pair(act_ptrs, act_ok, 2)
+    low, high = _prescaled_pair(acts[2])
     part = _pair_terms(part, words, low, high, 2, DEQUANT)
-    low, high = _prescaled_pair(act_ptrs, act_ok, 1)
+    low, high = _prescaled_pair(acts[1])
     part = _pair_terms(part, words, low, high, 1, DEQUANT)
-    low, high = _prescaled_pair(act_ptrs, act_ok, 3)
+    low, high = _prescaled_pair(acts[3])
     part = _pair_terms(part, words, low, high, 3, DEQUANT)
     return tl.sum(part, axis=2)
 
 
 @triton.jit
-def mxfp4_group_dot_pair(words_a, words_b, act_ptrs, act_ok, DEQUANT: tl.constexpr = DEFAULT_DEQUANT):
-    """mxfp4_group_dot of two weight tiles against one activation load."""
-    low, high = _prescaled_pair(act_ptrs, act_ok, 0)
+def mxfp4_group_dot_pair(words_a, words_b, acts, DEQUANT: tl.constexpr = DEFAULT_DEQUANT):
+    """mxfp4_group_dot of two weight tiles against one step's activations
+    ``acts`` (load_act_pairs: loaded by the caller, a step ahead if it likes)."""
+    low, high = _prescaled_pair(acts[0])
     part_a = _pair_terms(tl.zeros(words_a.shape, tl.float32), words_a, low, high, 0, DEQUANT)
     part_b = _pair_terms(tl.zeros(words_b.shape, tl.float32), words_b, low, high, 0, DEQUANT)
-    low, high = _prescaled_pair(act_ptrs, act_ok, 2)
+    low, high = _prescaled_pair(acts[2])
     part_a = _pair_terms(part_a, words_a, low, high, 2, DEQUANT)
     part_b = _pair_terms(part_b, words_b, low, high, 2, DEQUANT)
-    low, high = _prescaled_pair(act_ptrs, act_ok, 1)
+    low, high = _prescaled_pair(acts[1])
     part_a = _pair_terms(part_a, words_a, low, high, 1, DEQUANT)
     part_b = _pair_terms(part_b, words_b, low, high, 1, DEQUANT)
-    low, high = _prescaled_pair(act_ptrs, act_ok, 3)
+    low, high = _prescaled_pair(acts[3])
     part_a = _pair_terms(part_a, words_a, low, high, 3, DEQUANT)
     part_b = _pair_terms(part_b, words_b, low, high, 3, DEQUANT)
     return tl.sum(part_a, axis=2), tl.sum(part_b, axis=2)
