@@ -17,14 +17,15 @@ Scratch of a rank (only that rank reads and writes it):
     expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
     latent     [S, L/T]      bf16   the rank's columns of rms(bf16(sum of AR2), routed_expert_norm)
     shared_act [S, SI/T]     bf16   situ of the shared experts, this rank's slice
-    seam_part  [S, CH, 2, CP] fp32  the AttnRes seam's per-chunk sums of V^2 and V . q
+    seam_part  [S, PCH, 2, CP] fp32 the AttnRes seam's per-score-chunk sums of V^2 and V . q
     seam_h     [S, H]        bf16   the seam's mix h, before its norm
     seam_hsq   [S, CH]       fp32   the seam's per-chunk sums of h^2
     split_o    [splits, S, heads_r, DL] fp32   M1c's split outputs (only with M1C tasks)
     split_lse  [splits, S, heads_r]     fp32   their log-sum-exps   (only with M1C tasks)
 
 P = ceil(E / planner.route_chunk) route parts, K_PAD = K rounded up to a power
-of two; CH = ceil(H / planner.seam_cols(H)) seam chunks; CP = planner.seam_candidates_max
+of two; CH = ceil(H / planner.seam_cols(H)) seam chunks, PCH = ceil(H /
+planner.SEAM_SCORE_COLS) score chunks; CP = planner.seam_candidates_max
 (the model's widest seam), so one layout serves every layer.
 
 The split outputs are the launch's own: written by its M1C tasks, read by its
@@ -40,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from .config import K3Config
-from .planner import next_pow2, route_chunk, seam_candidates_max, seam_cols
+from .planner import SEAM_SCORE_COLS, next_pow2, route_chunk, seam_candidates_max, seam_cols
 
 REGION_ALIGN = 256
 """Bytes: a region boundary is aligned for every vector width and keeps two
@@ -96,7 +97,7 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
         "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
         "latent": ((S, L // tp), torch.bfloat16),
         "shared_act": ((S, cfg.shared_intermediate // tp), torch.bfloat16),
-        "seam_part": ((S, chunks, 2, seam_candidates_max(cfg)), torch.float32),
+        "seam_part": ((S, -(-H // SEAM_SCORE_COLS), 2, seam_candidates_max(cfg)), torch.float32),
         "seam_h": ((S, H), torch.bfloat16),
         "seam_hsq": ((S, chunks), torch.float32),
     }

@@ -285,6 +285,7 @@ class StageGeometry:
     vector_block: int  # columns a vector stage handles per step
     vector_warps: int
     seam_cols: int  # columns of H an AttnRes seam task covers (SEAM_COLS)
+    score_cols: int  # columns of H a seam score chunk covers (SEAM_SCORE_COLS)
     route_chunk: int  # experts a route part sorts (ROUTE_CHUNK)
     # Warps of latent_norm (staged launch): on the latency chain, one CTA keeps a
     # token's T partial slots in flight at once, so more warps than the reduces.
@@ -451,6 +452,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
         seam_cols=seam_cols(H),
+        score_cols=SEAM_SCORE_COLS,
         route_chunk=route_chunk(E, cfg.num_experts_per_token),
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
@@ -488,11 +490,12 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 issues its weights, then waits for the whole core (CORE: it
 #                 reads every column of the rank's heads), otherwise no wait
 #   REDUCE1       AR1 per column tile: a tile reduces as soon as its o_proj
-#                 rows arrived from every rank, not after the whole o_proj
-#   SEAM_SCORE    per (token, chunk of H): the candidates' partial sums
-#   SEAM_MIX      per (token, chunk): the scores from every chunk's partials,
+#                 rows arrived from every rank, not after the whole o_proj;
+#                 then, per token, the seam candidates' partial sums there
+#                 (SEAM_SCORE_COLS: the seam's score step)
+#   SEAM_MIX      per (token, chunk): the scores from every tile's partials,
 #                 the chunk's h and its partial sum of squares
-#   SEAM_NORM     per (token, chunk): x; the three steps spread the seam (on
+#   SEAM_NORM     per (token, chunk): x; these steps spread the seam (on
 #                 the critical path, it needs all of H twice) over CTAs
 #   ROUTER        critical path (logits -> route -> experts): first
 #   LATENT_DOWN   next (z gates the experts)
@@ -537,6 +540,18 @@ whole number of its producer's row tiles). The seed's reduce ran on 56 CTAs
 at H = 7168: 128 columns, enough tasks to spread the AR1 reduction over a
 third of an H200 while each task still reads T * S * 512 contiguous bytes."""
 
+SEAM_SCORE_COLS = REDUCE_TILE_COLS
+"""Columns of H a seam score chunk covers (StageGeometry.score_cols): a REDUCE1
+tile, so the mono launch's REDUCE1 task scores the P it has just summed there
+(kernels/attnres.py score_partials) instead of a SEAM_SCORE step after every
+tile (the S = 1 trace: 3.1 us a score task, its loads cold, between REDUCE1 and
+SEAM_MIX); the staged path's score step takes the same chunks, so both give
+the same partials. Measured on one H200 (one rank of TP8, the mono defaults):
+S = 1 76.9 -> 74.3 us, S = 2 102.9 -> 98.1, S = 8 219.0 -> 219.9, S = 16
+368.5 -> 369.3 (the seam's mix now starts 3 us sooner at S = 1). A first form
+that loaded the block rows after the prefix store paid a second round trip a
+token: S = 8 220.3 -> 234.9."""
+
 MAX_WAITS = 2
 """Waits a task may carry: the int table has this many wait column pairs."""
 
@@ -552,8 +567,7 @@ class TaskKind(enum.IntEnum):
     """Task kinds; the value is the kind code of the int table (build-key stable)."""
 
     OPROJ = 0
-    REDUCE1 = 1
-    SEAM_SCORE = 2
+    REDUCE1 = 1  # with the seam's score step (SEAM_SCORE_COLS); code 2 was a separate score kind
     ROUTER = 3
     LATENT_DOWN = 4
     SHARED_GU = 5
@@ -588,7 +602,6 @@ class Flag(enum.IntEnum):
     AR3 = 10  # [reduce3 tile] final partial rows arrived        (peer)
     CORE = 11  # [1, 0 without M1B] the rank's core columns written (M1B)
     SPLITS = 12  # [1, 0 without M1C] the split outputs o / lse written (M1C)
-    SCORED = 13  # [token]     seam partial sums written, every chunk
     MIXED = 14  # [token]      seam h and its partial squares written, every chunk
     RANKED = 15  # [token]     route parts' top-K keys written, every part
     DISCARD = 16  # [1]        raised by a timing variant's task copies only; never awaited
@@ -931,8 +944,8 @@ _WRITES = {
     TaskKind.M1B: lambda tb, t, r: [Write("core", False, _all_rows(*t.span))],
     TaskKind.NOP: lambda tb, t, r: [],
     TaskKind.OPROJ: lambda tb, t, r: [Write("ar1", True, (r, slice(None), slice(*t.span)))],
-    TaskKind.REDUCE1: lambda tb, t, r: [Write("prefix", False, _all_rows(*t.span))],
-    TaskKind.SEAM_SCORE: lambda tb, t, r: [Write("seam_part", False, (t.token, t.tile))],
+    TaskKind.REDUCE1: lambda tb, t, r: [Write("prefix", False, _all_rows(*t.span))]
+    + [Write("seam_part", False, (token, t.tile)) for token in range(tb.tokens)],
     TaskKind.SEAM_MIX: lambda tb, t, r: [
         Write("seam_h", False, (t.token, slice(*t.span))), Write("seam_hsq", False, (t.token, t.tile))
     ],
@@ -1075,23 +1088,20 @@ class _Planner:
                      waits=waits, raises=[(Flag.AR1, lo // self.reduce1_cols)])
 
     def reduce1(self):
+        if self.reduce1_cols != self.g.score_cols:
+            raise K3InputError(f"o_proj rows {self.g.oproj.rows}: a REDUCE1 tile of {self.reduce1_cols} columns is not "
+                               f"a seam score chunk ({self.g.score_cols})")
         for tile, lo, hi in self.reduce1_tiles:
             producers = math.ceil((hi - lo) / self.g.oproj.rows)
             self.add(TaskKind.REDUCE1, tile=tile, span=(lo, hi),
+                     streams=self._vector_slices_once(0, ["ares_norm", "ares_proj"], lo, hi),
                      waits=[_WaitSpec(Flag.AR1, tile, self.tp * producers)], raises=[(Flag.P_READY, 0)])
-
-    def seam_score(self):
-        for token in range(self.S):
-            for chunk, lo, hi in self.seam_chunks:
-                self.add(TaskKind.SEAM_SCORE, tile=chunk, span=(lo, hi), token=token,
-                         streams=self._vector_slices_once(token, ["ares_norm", "ares_proj"], lo, hi),
-                         waits=[_WaitSpec(Flag.P_READY, 0, len(self.reduce1_tiles))], raises=[(Flag.SCORED, token)])
 
     def seam_mix(self):
         for token in range(self.S):
             for chunk, lo, hi in self.seam_chunks:
                 self.add(TaskKind.SEAM_MIX, tile=chunk, span=(lo, hi), token=token,
-                         waits=[_WaitSpec(Flag.SCORED, token, len(self.seam_chunks))], raises=[(Flag.MIXED, token)])
+                         waits=[_WaitSpec(Flag.P_READY, 0, len(self.reduce1_tiles))], raises=[(Flag.MIXED, token)])
 
     def seam_norm(self):
         for token in range(self.S):
@@ -1190,7 +1200,7 @@ class _Planner:
         return (self.shared_gate_up, *route, self.expert_gate_up)
 
     def in_table_order(self) -> list[_TaskSpec]:
-        for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_score, self.seam_mix, self.seam_norm,
+        for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_mix, self.seam_norm,
                      self.router, self.latent_down, *self._route_shared_and_gate_up(), self.expert_down,
                      self.prefetch_final, self.latent_norm, self.final, self.reduce3):
             step()
@@ -1212,7 +1222,6 @@ class _Planner:
             Flag.AR3: len(self.reduce3_tiles),
             Flag.CORE: 1 if self.m1b_tiles else 0,
             Flag.SPLITS: 1 if self.m1c_blocks else 0,
-            Flag.SCORED: per_token,
             Flag.MIXED: per_token,
             Flag.RANKED: per_token,
             Flag.DISCARD: 1,

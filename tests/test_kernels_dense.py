@@ -175,6 +175,7 @@ def narrow(geom):
         final=small(geom.final),
         vector_block=64,
         seam_cols=128,
+        score_cols=64,
     )
 
 
@@ -182,7 +183,7 @@ def seam_scratch(cfg, S, geom) -> dict:
     """The seam steps' partials (layout.scratch_layout's regions), poisoned."""
     chunks = -(-cfg.hidden_size // geom.seam_cols)
     return {
-        "seam_part": poisoned((S, chunks, 2, seam_candidates_max(cfg)), torch.float32),
+        "seam_part": poisoned((S, -(-cfg.hidden_size // geom.score_cols), 2, seam_candidates_max(cfg)), torch.float32),
         "seam_h": poisoned((S, cfg.hidden_size), torch.bfloat16),
         "seam_hsq": poisoned((S, chunks), torch.float32),
     }
@@ -491,10 +492,10 @@ _SM90_CHECK = textwrap.dedent(
                   "stride_bn": "i32", "nb": "i32"}
     compile_sm90(attnres._seam_score_kernel,
                  {**candidates, "ares_norm_ptr": "*bf16", "ares_proj_ptr": "*bf16", "part_ptr": "*fp32"},
-                 dict(H=7168, CANDS=16, CP=16, SC=512))
+                 dict(H=7168, CANDS=16, CP=16, SCORE_COLS=128))
     compile_sm90(attnres._seam_mix_kernel,
                  {**candidates, "part_ptr": "*fp32", "eps": "fp32", "h_ptr": "*bf16", "hsq_ptr": "*fp32"},
-                 dict(H=7168, CANDS=16, CP=16, SC=512))
+                 dict(H=7168, CANDS=16, CP=16, SC=512, SCORE_COLS=128))
     compile_sm90(attnres._seam_norm_kernel,
                  {"h_ptr": "*bf16", "hsq_ptr": "*fp32", "post_norm_ptr": "*bf16", "eps": "fp32", "x_ptr": "*bf16",
                   "stride_xs": "i32"},

@@ -256,7 +256,7 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
         "expert_act": (k["ACT_B"] * 2, S * K * I_R * 2),
         "latent": (k["LAT_B"] * 2, S * (L // tp) * 2),
         "shared_act": (k["SACT_B"] * 2, S * SI_R * 2),
-        "seam_part": (k["SPART_F"] * 4, S * -(-H // k["SC"]) * 2 * k["CP"] * 4),
+        "seam_part": (k["SPART_F"] * 4, S * -(-H // k["SCORE_COLS"]) * 2 * k["CP"] * 4),
         "seam_h": (k["SH_B"] * 2, S * H * 2),
         "seam_hsq": (k["SHSQ_F"] * 4, S * -(-H // k["SC"]) * 4),
         "ctl": (k["CTL_I"] * 4, 8),

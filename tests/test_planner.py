@@ -50,7 +50,6 @@ M1b ("m1b"), or M1c then M1b ("m1c")."""
 KIND_ORDER = [
     TaskKind.OPROJ,
     TaskKind.REDUCE1,
-    TaskKind.SEAM_SCORE,
     TaskKind.SEAM_MIX,
     TaskKind.SEAM_NORM,
     TaskKind.ROUTER,
@@ -751,21 +750,29 @@ def test_oproj_and_final_rows_set_their_tasks_over_the_same_step_bytes(tokens, b
 @pytest.mark.parametrize("name,chunks,parts", [("kimi-k3", 14, 7), ("tiny", 2, 2), ("small", 2, 2)])
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_seam_and_route_spread_each_token_over_ctas(name, chunks, parts, tokens):
-    """The seam's three steps are a task per (token, chunk of H), the route's first
-    step a task per (token, part of the experts); each next step waits for all of
-    its own token's tasks and no other's (the small presets too have several)."""
+    """The seam's mix and norm are a task per (token, chunk of H), after the
+    REDUCE1 tiles that score it; the route's first step a task per (token, part of
+    the experts); each next step waits for all of its own token's tasks and no
+    other's (the small presets too have several)."""
     table = table_for(name, 1, tokens)
     by_kind = {}
     for task in table.tasks:
         by_kind.setdefault(task.kind, []).append(task)
-    for kind in (TaskKind.SEAM_SCORE, TaskKind.SEAM_MIX, TaskKind.SEAM_NORM):
+    for kind in (TaskKind.SEAM_MIX, TaskKind.SEAM_NORM):
         assert len(by_kind[kind]) == tokens * chunks
         assert {t.span for t in by_kind[kind] if t.token == 0} == {
             (lo, min(lo + table.geometry.seam_cols, table.cfg.hidden_size))
             for lo in range(0, table.cfg.hidden_size, table.geometry.seam_cols)}
+    reduce1 = by_kind[TaskKind.REDUCE1]
+    assert {t.span for t in reduce1} == {
+        (lo, min(lo + table.geometry.score_cols, table.cfg.hidden_size))
+        for lo in range(0, table.cfg.hidden_size, table.geometry.score_cols)}
+    for task in by_kind[TaskKind.SEAM_MIX]:
+        (wait,) = task.waits
+        assert (wait.flag, wait.count) == (Flag.P_READY, len(reduce1))
+        assert set(wait.sources) == {t.ticket for t in reduce1}
     assert len(by_kind[TaskKind.ROUTE_PART]) == tokens * parts and len(by_kind[TaskKind.ROUTE]) == tokens
-    for step, flag, producers in ((TaskKind.SEAM_MIX, Flag.SCORED, chunks), (TaskKind.SEAM_NORM, Flag.MIXED, chunks),
-                                  (TaskKind.ROUTE, Flag.RANKED, parts)):
+    for step, flag, producers in ((TaskKind.SEAM_NORM, Flag.MIXED, chunks), (TaskKind.ROUTE, Flag.RANKED, parts)):
         for task in by_kind[step]:
             (wait,) = task.waits
             assert (wait.flag, wait.index, wait.count) == (flag, task.token, producers)

@@ -64,8 +64,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attnres import seam_mix_task, seam_norm_task, seam_score_task
-from .common import INTERPRET
+from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query
+from .common import INTERPRET, as_f32
 from .experts import GROUP, expert_down_task, expert_gate_up_task
 from .final import final_task
 from .latent_down import latent_down_task
@@ -86,7 +86,6 @@ PREFETCH_ALIGN = tl.constexpr(16)  # cp.async.bulk's address and size granule (b
 # kind codes (planner.TaskKind)
 K_OPROJ = tl.constexpr(0)
 K_REDUCE1 = tl.constexpr(1)
-K_SEAM_SCORE = tl.constexpr(2)
 K_ROUTER = tl.constexpr(3)
 K_LATENT_DOWN = tl.constexpr(4)
 K_SHARED_GU = tl.constexpr(5)
@@ -342,19 +341,37 @@ def expert_down_push_task(
 
 @triton.jit
 def reduce1_task(
+    tile,
     start,
     stop,
     ar1_ptr,  # fp32 [T, S, H]: this epoch's AR1 region of the own buffer
     prefix_ptr,  # bf16 [S, H], updated in place
     stride_ps,
+    blocks_ptr,  # bf16 [S, nb_max, H]
+    stride_bs,
+    stride_bn,
+    nb,
+    ares_nw_ptr,  # bf16 [H]
+    ares_qk_ptr,  # bf16 [H]
+    part_ptr,  # fp32 [S, PCH, 2, CP] out: the seam's score partials
     S: tl.constexpr,
     H: tl.constexpr,
     T: tl.constexpr,
     RC1: tl.constexpr,  # power of two >= stop - start
+    CANDS: tl.constexpr,
+    CP: tl.constexpr,
+    SCORE_COLS: tl.constexpr,  # stop - start but for the last tile: the tile is score chunk ``tile``
 ):
+    """AR1 and the prefix update over the tile's columns, then the seam's score
+    step there for every token, on the P just summed (no read back)."""
     cols = start + tl.arange(0, RC1)
+    m = cols < stop
+    q = seam_query(ares_nw_ptr, ares_qk_ptr, cols, m)
     for s in range(S):
-        reduce_prefix_chunk(ar1_ptr, S * H, H, prefix_ptr, stride_ps, s, cols, cols < stop, T)
+        # the block rows before the prefix store (it might alias them): one round trip a token
+        rows = block_rows(s, cols, m, blocks_ptr, stride_bs, stride_bn, nb, CANDS)
+        p = reduce_prefix_chunk(ar1_ptr, S * H, H, prefix_ptr, stride_ps, s, cols, m, T)
+        score_partials(s, tile, as_f32(p), rows, q, nb, part_ptr, H, CANDS, CP, SCORE_COLS)
 
 
 @triton.jit
@@ -537,6 +554,7 @@ def _mono_kernel(
     CANDS: tl.constexpr,
     CP: tl.constexpr,  # the seam partials' candidate extent (>= CANDS)
     SC: tl.constexpr,  # columns a seam task covers
+    SCORE_COLS: tl.constexpr,  # columns a seam score chunk covers: a REDUCE1 tile
     RC1: tl.constexpr,  # power of two >= reduce1 tile columns
     RC3: tl.constexpr,
     BETA: tl.constexpr,
@@ -688,15 +706,13 @@ def _mono_kernel(
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
                                 FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE1:
-                reduce1_task(start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, S, H, T, RC1)
-                raise_counter(flags + rword, SCOPE)
-            elif kind == K_SEAM_SCORE:
-                seam_score_task(token, tile, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb, ares_nw_ptr,
-                                ares_qk_ptr, sc_f32 + SPART_F, H, CANDS, CP, SC)
+                reduce1_task(tile, start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, blocks_ptr, stride_bs,
+                             stride_bn, nb, ares_nw_ptr, ares_qk_ptr, sc_f32 + SPART_F, S, H, T, RC1, CANDS, CP,
+                             SCORE_COLS)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_SEAM_MIX:
                 seam_mix_task(token, tile, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb,
-                              sc_f32 + SPART_F, eps, sc_bf16 + SH_B, sc_f32 + SHSQ_F, H, CANDS, CP, SC)
+                              sc_f32 + SPART_F, eps, sc_bf16 + SH_B, sc_f32 + SHSQ_F, H, CANDS, CP, SC, SCORE_COLS)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_SEAM_NORM:
                 seam_norm_task(token, tile, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, x_ptr, H, H, SC)

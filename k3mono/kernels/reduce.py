@@ -60,11 +60,13 @@ def reduce_prefix_chunk(
     T: tl.constexpr,
 ):
     """prefix[s, cols] = bf16(prefix + bf16(sum_t ar1[t, s, cols])): any column
-    set of one token (the mono launch's column tiles call this per token)."""
+    set of one token (the mono launch's column tiles call this per token).
+    Returns the new prefix there, bf16 (the mono launch scores it at once)."""
     o = to_bf16(sum_ranks(ar1_ptr, stride_at, stride_as, s, cols, mask, T))
     ptrs = prefix_ptr + s * stride_ps + cols
-    prefix = as_f32(tl.load(ptrs, mask=mask, other=0.0))
-    tl.store(ptrs, to_bf16(prefix + as_f32(o)), mask=mask)
+    prefix = to_bf16(as_f32(tl.load(ptrs, mask=mask, other=0.0)) + as_f32(o))
+    tl.store(ptrs, prefix, mask=mask)
+    return prefix
 
 
 @triton.jit
