@@ -168,8 +168,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
-    for name in ("dense_step_kb", "gate_up_rows", "down_rows", "router_rows", "shared_rows", "expert_lookahead",
-                 "oproj_rows", "final_rows"):
+    for name in ("dense_step_kb", "gate_up_rows", "down_rows", "router_rows", "latent_rows", "shared_rows",
+                 "expert_lookahead", "oproj_rows", "final_rows"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"TileChoice.{name} (default: mono.default_tiles(S)'s)")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")

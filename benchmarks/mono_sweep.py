@@ -7,7 +7,7 @@ grid, not a register budget, sets how many warps an SM holds).
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
                                     [--dense-step-kb 8 16 32] [--gate-up-rows 32 16 8] [--down-rows 32 16 8]
-                                    [--router-rows 8 4 2] [--shared-rows 8 4 2]
+                                    [--router-rows 8 4 2 1] [--latent-rows 8 4 2] [--shared-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
                                     [--route-early 0 1] [--shared-late 0 1]
                                     [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--skip-staged | --skip-mono]
@@ -32,7 +32,8 @@ import torch
 
 from k3mono.bench import WEIGHT_SETS, _loopback_layers, _time_staged, time_mono
 from k3mono.config import preset
-from k3mono.planner import (DENSE_STEP_KB, EXPERT_LOOKAHEAD, EXPERT_ROWS, HIDDEN_ROWS, ROUTER_ROWS, SHARED_ROWS,
+from k3mono.planner import (DENSE_STEP_KB, EXPERT_LOOKAHEAD, EXPERT_ROWS, HIDDEN_ROWS, LATENT_ROWS, ROUTER_ROWS,
+                            SHARED_ROWS,
                             MonoOptions, TileChoice)
 from k3mono.synthetic import random_shard
 
@@ -52,7 +53,7 @@ def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> st
 
 def _tiles_text(tiles: TileChoice) -> str:
     return (f"dense step {tiles.dense_step_kb} KB gate/up rows {tiles.gate_up_rows} down rows {tiles.down_rows} "
-            f"router rows {tiles.router_rows} shared rows {tiles.shared_rows} lookahead {int(tiles.expert_lookahead)} "
+            f"router rows {tiles.router_rows} latent rows {tiles.latent_rows} shared rows {tiles.shared_rows} lookahead {int(tiles.expert_lookahead)} "
             f"o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows}")
 
 
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--gate-up-rows", type=int, nargs="+", default=[EXPERT_ROWS], help="TileChoice.gate_up_rows")
     parser.add_argument("--down-rows", type=int, nargs="+", default=[EXPERT_ROWS], help="TileChoice.down_rows")
     parser.add_argument("--router-rows", type=int, nargs="+", default=[ROUTER_ROWS])
+    parser.add_argument("--latent-rows", type=int, nargs="+", default=[LATENT_ROWS], help="TileChoice.latent_rows")
     parser.add_argument("--shared-rows", type=int, nargs="+", default=[SHARED_ROWS], help="TileChoice.shared_rows")
     parser.add_argument("--poll-sleep-ns", type=int, nargs="+", default=[0], help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--expert-lookahead", type=int, nargs="+", default=[int(EXPERT_LOOKAHEAD)],
@@ -81,11 +83,11 @@ def main() -> None:
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     for tokens in args.tokens:
-        choices = [TileChoice(dense_step_kb=k, gate_up_rows=g, down_rows=d, router_rows=r, shared_rows=sh,
-                              expert_lookahead=bool(la), oproj_rows=o, final_rows=f)
-                   for k, g, d, r, sh, la, o, f in itertools.product(
-                       args.dense_step_kb, args.gate_up_rows, args.down_rows, args.router_rows, args.shared_rows,
-                       args.expert_lookahead, args.oproj_rows, args.final_rows)]
+        choices = [TileChoice(dense_step_kb=k, gate_up_rows=g, down_rows=d, router_rows=r, latent_rows=lr,
+                              shared_rows=sh, expert_lookahead=bool(la), oproj_rows=o, final_rows=f)
+                   for k, g, d, r, lr, sh, la, o, f in itertools.product(
+                       args.dense_step_kb, args.gate_up_rows, args.down_rows, args.router_rows, args.latent_rows,
+                       args.shared_rows, args.expert_lookahead, args.oproj_rows, args.final_rows)]
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
         knobs = itertools.product(args.prefetch, args.prefetch_final, args.route_early, args.shared_late,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .config import PRESETS
 from .errors import K3InputError
-from .planner import DENSE_STEP_KB, EXPERT_ROWS, HIDDEN_ROWS, ROUTER_ROWS, SHARED_ROWS
+from .planner import DENSE_STEP_KB, EXPERT_ROWS, HIDDEN_ROWS, LATENT_ROWS, ROUTER_ROWS, SHARED_ROWS
 from .validate import check_tokens
 
 CHECK_PRESET = "tiny"
@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"output rows of an MXFP4 down task (default {EXPERT_ROWS})")
     plan.add_argument("--router-rows", type=int, default=ROUTER_ROWS,
                       help=f"rows of a router task on the FMA path, S <= 4 (default {ROUTER_ROWS})")
+    plan.add_argument("--latent-rows", type=int, default=LATENT_ROWS,
+                      help=f"rows of a latent down-projection task on the FMA path, S <= 4 (default {LATENT_ROWS})")
     plan.add_argument("--shared-rows", type=int, default=SHARED_ROWS,
                       help=f"rows of a shared-expert gate/up task on the FMA path, S <= 4 (default {SHARED_ROWS})")
     for knob, task in (("oproj", "an o_proj"), ("final", "a FINAL")):
@@ -242,7 +244,7 @@ def cmd_plan(args) -> int:
     options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b,
                           tiles=TileChoice(dense_step_kb=args.dense_step_kb, gate_up_rows=args.gate_up_rows,
                                            down_rows=args.down_rows, router_rows=args.router_rows,
-                                           shared_rows=args.shared_rows,
+                                           latent_rows=args.latent_rows, shared_rows=args.shared_rows,
                                            oproj_rows=args.oproj_rows, final_rows=args.final_rows))
     table = plan(cfg, args.tp, args.tokens, args.sms, options)
     floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks,

@@ -79,7 +79,7 @@ S = 1, benchmarks/mono_variants.py). Fewer rows: more, shorter tasks of the same
 bytes a step."""
 
 ROUTER_ROWS = 2
-ROUTER_ROWS_CHOICES = (2, 4, 8)
+ROUTER_ROWS_CHOICES = (1, 2, 4, 8)
 """Rows of a router task on the FMA path (S <= FMA_MAX_TOKENS; tl.dot needs 16).
 The router is on the latency chain (x -> logits -> route -> experts) and has
 only E/T = 112 rows at T = 8: 8 rows a task made 14 tasks, each streaming 115 KB
@@ -87,6 +87,19 @@ alone, a step (8 KB) a memory round trip (the trace: 9.5 us a task at S = 1).
 2 rows make 56 tasks of the same bytes a step, a quarter of the steps each:
 measured on the H200 (benchmarks/mono_sweep.py, docs/PERF.md), S = 1 went from
 111.3 to 106.8 us (mono) and from 110.6 to 105.2 (staged) in one run."""
+
+LATENT_ROWS = FMA_TILE[0]
+LATENT_ROWS_CHOICES = (2, 4, 8)
+"""Rows of a latent down-projection task on the FMA path (TileChoice.latent_rows;
+the tl.dot path keeps DOT_TILE's 16). Its z gates the expert tasks beside the
+route: at 8 rows (56 tasks at TP8, 115 KB each, a step a memory round trip) the
+S = 1 trace had them done with the route, 8.6 us a task. Fewer rows: more,
+shorter tasks of the same bytes a step, as ROUTER_ROWS. Measured on one H200
+(benchmarks/mono_sweep.py, the mono defaults otherwise), router / latent rows:
+S = 1 2 / 8 74.3 us, 2 / 4 74.4, 2 / 2 74.1, 1 / 8 75.0, 1 / 4 73.4, 1 / 2 75.2;
+S = 2 and 4 2 / 8 98.3 and 141.4, 2 / 2 98.8 and 143.9, 1 / 8 111.6 and 155.5,
+1 / 2 98.8 and 143.0: within a run's spread or slower, so 8 stays (the route's
+own chain sets when the experts start)."""
 
 SEAM_COLS = 512
 SEAM_MIN_CHUNKS = 2
@@ -187,13 +200,14 @@ head's splits, so fewer rows make more, shorter tasks that repeat the combine.""
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, SHARED_ROWS,
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, LATENT_ROWS, SHARED_ROWS,
     EXPERT_LOOKAHEAD, HIDDEN_ROWS and BACK_BLOCK_DV)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
     down_rows: int = EXPERT_ROWS
     router_rows: int = ROUTER_ROWS
+    latent_rows: int = LATENT_ROWS
     shared_rows: int = SHARED_ROWS
     expert_lookahead: bool = EXPERT_LOOKAHEAD
     oproj_rows: int = HIDDEN_ROWS
@@ -211,6 +225,8 @@ class TileChoice:
                 raise K3InputError(f"tiles.{name}: expected one of {EXPERT_ROWS_CHOICES}, got {getattr(self, name)!r}")
         if self.router_rows not in ROUTER_ROWS_CHOICES:
             raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
+        if self.latent_rows not in LATENT_ROWS_CHOICES:
+            raise K3InputError(f"tiles.latent_rows: expected one of {LATENT_ROWS_CHOICES}, got {self.latent_rows!r}")
         if self.shared_rows not in SHARED_ROWS_CHOICES:
             raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
         if not isinstance(self.expert_lookahead, bool):
@@ -444,7 +460,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         use_dot=use_dot,
         oproj=_dense(H, C // tp, use_dot, step_kb, tiles.oproj_rows),
         router=_dense(E // tp, H, use_dot, step_kb, tiles.router_rows),
-        latent_down=_dense(L // tp, H, use_dot, step_kb),
+        latent_down=_dense(L // tp, H, use_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, step_kb, tiles.shared_rows),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
         expert_gate_up=_expert(tiles.gate_up_rows, I // tp, L, tiles.expert_lookahead),

@@ -343,15 +343,16 @@ def plain_s3():
 
 
 @pytest.mark.parametrize("tiles", [TileChoice(gate_up_rows=8, down_rows=16), TileChoice(gate_up_rows=16, down_rows=8),
-                                   TileChoice(router_rows=8), TileChoice(shared_rows=2),
-                                   TileChoice(expert_lookahead=True)],
-                         ids=["gate-up-8-down-16", "gate-up-16-down-8", "router-rows-8", "shared-rows-2",
-                              "expert-lookahead"])
+                                   TileChoice(router_rows=8), TileChoice(router_rows=1, latent_rows=2),
+                                   TileChoice(shared_rows=2), TileChoice(expert_lookahead=True)],
+                         ids=["gate-up-8-down-16", "gate-up-16-down-8", "router-rows-8", "router-1-latent-2",
+                              "shared-rows-2", "expert-lookahead"])
 def test_other_task_shapes_change_no_bits(tiles, plain_s3):
     """Each output row's sums run over the same columns in the same order
     whatever the rows a task holds (the tiny preset's router step is capped at
     its 224-wide input either way): more, smaller tasks give the same bits
-    (S = 3 at T = 1: 4x or 2x the expert tasks, a quarter of the router tasks, 4x the shared ones); so do
+    (S = 3 at T = 1: 4x or 2x the expert tasks, a quarter or twice the router tasks, 4x the latent or the
+    shared ones); so do
     expert loops that load a step ahead. (The defaults' o_proj and FINAL rows are
     kept: they may change bits; test_wider_hidden_tasks_stay_within_budget_... covers them.)"""
     cfg, shards, inputs, plain = plain_s3
@@ -359,8 +360,9 @@ def test_other_task_shapes_change_no_bits(tiles, plain_s3):
     tokens, layer = 3, 13
     narrow = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
     geometry = narrow.compiled.table.geometry
-    rows = (geometry.expert_gate_up.rows, geometry.expert_down.rows, geometry.router.rows, geometry.shared_gate_up.rows)
-    assert rows == (tiles.gate_up_rows, tiles.down_rows, tiles.router_rows, tiles.shared_rows)
+    rows = (geometry.expert_gate_up.rows, geometry.expert_down.rows, geometry.router.rows, geometry.latent_down.rows,
+            geometry.shared_gate_up.rows)
+    assert rows == (tiles.gate_up_rows, tiles.down_rows, tiles.router_rows, tiles.latent_rows, tiles.shared_rows)
     assert geometry.expert_gate_up.lookahead == geometry.expert_down.lookahead == tiles.expert_lookahead
     assert same_bits(plain, narrow(**inputs))
 

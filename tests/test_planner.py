@@ -682,7 +682,7 @@ def test_fewer_expert_rows_make_more_expert_tasks_over_the_same_bytes(rows, kind
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(**{field: 12})))
 
 
-@pytest.mark.parametrize("rows", [4, 8])
+@pytest.mark.parametrize("rows", [1, 4, 8])
 def test_router_rows_set_the_router_tasks_over_the_same_step_bytes(rows):
     """TileChoice.router_rows (FMA path): rows / 2 times fewer router tasks than
     the default 2 rows at S = 1, TP8, each step as many bytes (a shorter K step),
@@ -700,6 +700,29 @@ def test_router_rows_set_the_router_tasks_over_the_same_step_bytes(rows):
     assert plan(cfg, 8, 8, 132, options).geometry.router == plan(cfg, 8, 8, 132).geometry.router
     with pytest.raises(K3InputError, match="router_rows"):
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(router_rows=3)))
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_latent_rows_set_the_latent_tasks_over_the_same_step_bytes(rows):
+    """TileChoice.latent_rows (FMA path): 8 / rows times the latent down tasks of
+    the default at S = 1, TP8, each step as many bytes, the same bytes streamed,
+    the expert tasks waiting for all of them on every rank; the tl.dot path (S = 8)
+    keeps its tile."""
+    cfg = preset("kimi-k3")
+    options = MonoOptions(tiles=TileChoice(latent_rows=rows))
+    base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, options)
+    latent = lambda t: [task for task in t.tasks if task.kind == TaskKind.LATENT_DOWN]  # noqa: E731
+    assert base.geometry.latent_down.rows == 8 and len(latent(base)) == 56
+    assert len(latent(narrow)) == len(latent(base)) * 8 // rows
+    b, n = base.geometry.latent_down, narrow.geometry.latent_down
+    assert n.rows * n.block_k == b.rows * b.block_k
+    streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
+    assert streamed(narrow) == streamed(base)
+    gate_up = next(task for task in narrow.tasks if task.kind == TaskKind.EXPERT_GU)
+    assert any(wait.flag == Flag.Z and wait.count == 8 * len(latent(narrow)) for wait in gate_up.waits)
+    assert plan(cfg, 8, 8, 132, options).geometry.latent_down == plan(cfg, 8, 8, 132).geometry.latent_down
+    with pytest.raises(K3InputError, match="latent_rows"):
+        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(latent_rows=16)))
 
 
 @pytest.mark.parametrize("rows", [2, 4])
