@@ -702,49 +702,32 @@ def test_router_rows_set_the_router_tasks_over_the_same_step_bytes(rows):
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(router_rows=3)))
 
 
+@pytest.mark.parametrize("field,kind,tile,consumer,flag,raises", [
+    ("latent_rows", TaskKind.LATENT_DOWN, "latent_down", TaskKind.EXPERT_GU, Flag.Z, 8),
+    ("shared_rows", TaskKind.SHARED_GU, "shared_gate_up", TaskKind.FINAL, Flag.SHARED_READY, 1),
+])
 @pytest.mark.parametrize("rows", [2, 4])
-def test_latent_rows_set_the_latent_tasks_over_the_same_step_bytes(rows):
-    """TileChoice.latent_rows (FMA path): 8 / rows times the latent down tasks of
-    the default at S = 1, TP8, each step as many bytes, the same bytes streamed,
-    the expert tasks waiting for all of them on every rank; the tl.dot path (S = 8)
-    keeps its tile."""
+def test_latent_and_shared_rows_set_their_tasks_over_the_same_step_bytes(field, kind, tile, consumer, flag, raises,
+                                                                          rows):
+    """TileChoice.latent_rows / shared_rows (FMA path): 8 / rows times the latent
+    down / shared gate/up tasks of the default at S = 1, TP8, each step as many
+    bytes, the same bytes streamed, their consumer (the gate/up tasks, z raised on
+    every rank; FINAL) waiting for all of them; the tl.dot path (S = 8) keeps its tile."""
     cfg = preset("kimi-k3")
-    options = MonoOptions(tiles=TileChoice(latent_rows=rows))
+    options = MonoOptions(tiles=TileChoice(**{field: rows}))
     base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, options)
-    latent = lambda t: [task for task in t.tasks if task.kind == TaskKind.LATENT_DOWN]  # noqa: E731
-    assert base.geometry.latent_down.rows == 8 and len(latent(base)) == 56
-    assert len(latent(narrow)) == len(latent(base)) * 8 // rows
-    b, n = base.geometry.latent_down, narrow.geometry.latent_down
+    tasks = lambda t: [task for task in t.tasks if task.kind == kind]  # noqa: E731
+    assert getattr(base.geometry, tile).rows == 8 and len(tasks(base)) in (56, 96)
+    assert len(tasks(narrow)) == len(tasks(base)) * 8 // rows
+    b, n = getattr(base.geometry, tile), getattr(narrow.geometry, tile)
     assert n.rows * n.block_k == b.rows * b.block_k
     streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
     assert streamed(narrow) == streamed(base)
-    gate_up = next(task for task in narrow.tasks if task.kind == TaskKind.EXPERT_GU)
-    assert any(wait.flag == Flag.Z and wait.count == 8 * len(latent(narrow)) for wait in gate_up.waits)
-    assert plan(cfg, 8, 8, 132, options).geometry.latent_down == plan(cfg, 8, 8, 132).geometry.latent_down
-    with pytest.raises(K3InputError, match="latent_rows"):
-        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(latent_rows=16)))
-
-
-@pytest.mark.parametrize("rows", [2, 4])
-def test_shared_rows_set_the_shared_tasks_over_the_same_step_bytes(rows):
-    """TileChoice.shared_rows (FMA path): 8 / rows times the shared gate/up tasks
-    of the default at S = 1, TP8, each step as many bytes, the same bytes
-    streamed, FINAL waiting for all of them; the tl.dot path (S = 8) keeps its tile."""
-    cfg = preset("kimi-k3")
-    options = MonoOptions(tiles=TileChoice(shared_rows=rows))
-    base, narrow = plan(cfg, 8, 1, 132), plan(cfg, 8, 1, 132, options)
-    shared = lambda t: [task for task in t.tasks if task.kind == TaskKind.SHARED_GU]  # noqa: E731
-    assert base.geometry.shared_gate_up.rows == 8 and len(shared(base)) == 96
-    assert len(shared(narrow)) == len(shared(base)) * 8 // rows
-    b, n = base.geometry.shared_gate_up, narrow.geometry.shared_gate_up
-    assert n.rows * n.block_k == b.rows * b.block_k
-    streamed = lambda t: sum(b for task in t.tasks for _, b in task.streams)  # noqa: E731
-    assert streamed(narrow) == streamed(base)
-    final = next(task for task in narrow.tasks if task.kind == TaskKind.FINAL)
-    assert any(wait.flag == Flag.SHARED_READY and wait.count == len(shared(narrow)) for wait in final.waits)
-    assert plan(cfg, 8, 8, 132, options).geometry.shared_gate_up == plan(cfg, 8, 8, 132).geometry.shared_gate_up
-    with pytest.raises(K3InputError, match="shared_rows"):
-        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(shared_rows=16)))
+    waiter = next(task for task in narrow.tasks if task.kind == consumer)
+    assert any(wait.flag == flag and wait.count == raises * len(tasks(narrow)) for wait in waiter.waits)
+    assert getattr(plan(cfg, 8, 8, 132, options).geometry, tile) == getattr(plan(cfg, 8, 8, 132).geometry, tile)
+    with pytest.raises(K3InputError, match=field):
+        plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(**{field: 16})))
 
 
 @pytest.mark.parametrize("tokens,base_rows", [(1, 8), (8, 16)])
