@@ -25,7 +25,7 @@ Per task:
    the core settles; otherwise its weights stream at once); M1C has no wait; M1B
    has none either, or, where M1C runs first, one for every M1C task (its w_v
    tile is not asked for before it: a few KB, next to the cache M1C streams);
-   REDUCE*, SEAM_*, ROUTE* and LATENT_NORM read activations only;
+   REDUCE*, SEAM_*, ROUTE* and LATENT_NORM read activations (and norm vectors) only;
 3. poll the other waits, in table order;
 4. run the kind's task function, which stores its own results: the GEMV kinds
    (``*_push_task`` below: the stage task function unchanged, then its tile
