@@ -13,6 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pyproject runs the tests in two xdist workers, one a core: torch's own
+# threads on top would only contend with the other worker.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 class LaunchRecorder:
     """Stands in for a kernel: records each launch's grid, runs nothing."""
