@@ -9,7 +9,7 @@ grid, not a register budget, sets how many warps an SM holds).
                                     [--dense-step-kb 8 16 32] [--gate-up-rows 32 16 8] [--down-rows 32 16 8]
                                     [--router-rows 8 4 2 1] [--latent-rows 8 4 2] [--shared-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
-                                    [--route-early 0 1] [--shared-late 0 1]
+                                    [--route-early 0 1] [--shared-late 0 1] [--expert-evict-first 0 1]
                                     [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--skip-staged | --skip-mono]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
@@ -20,6 +20,7 @@ grid, not a register budget, sets how many warps an SM holds).
 ``--prefetch-final`` whether PREFETCH_FINAL tasks pull FINAL's weights into L2 (MonoOptions.prefetch_final);
 ``--route-early`` whether the route's tasks come before SHARED_GU in the table (MonoOptions.route_early);
 ``--shared-late`` whether SHARED_GU comes after EXPERT_GU in the table (MonoOptions.shared_late);
+``--expert-evict-first`` whether the expert tasks' weight loads are evict_first in L2 (MonoOptions.expert_evict_first);
 ``--oproj-rows`` / ``--final-rows`` the rows of an o_proj / FINAL task (TileChoice.oproj_rows, final_rows).
 """
 
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--prefetch-final", type=int, nargs="+", default=[0], help="MonoOptions.prefetch_final (0 / 1)")
     parser.add_argument("--route-early", type=int, nargs="+", default=[0], help="MonoOptions.route_early (0 / 1)")
     parser.add_argument("--shared-late", type=int, nargs="+", default=[0], help="MonoOptions.shared_late (0 / 1)")
+    parser.add_argument("--expert-evict-first", type=int, nargs="+", default=[0],
+                        help="MonoOptions.expert_evict_first (0 / 1)")
     parser.add_argument("--oproj-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.oproj_rows")
     parser.add_argument("--final-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.final_rows")
     parser.add_argument("--skip-staged", action="store_true", help="time the mono launch only")
@@ -91,16 +94,17 @@ def main() -> None:
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
         knobs = itertools.product(args.prefetch, args.prefetch_final, args.route_early, args.shared_late,
-                                  args.poll_sleep_ns, args.ctas, [] if args.skip_mono else choices)
-        for prefetch, prefetch_final, route_early, shared_late, sleep_ns, config, tiles in knobs:
+                                  args.expert_evict_first, args.poll_sleep_ns, args.ctas,
+                                  [] if args.skip_mono else choices)
+        for prefetch, prefetch_final, route_early, shared_late, evict_first, sleep_ns, config, tiles in knobs:
             ctas, _, cap = config.partition(":")
             label = (f"T={args.tp} S={tokens:>2} mono prefetch {prefetch} final {prefetch_final} route early "
-                     f"{route_early} shared late {shared_late} sleep {sleep_ns} ns ctas/SM {config} "
-                     f"{_tiles_text(tiles)}")
+                     f"{route_early} shared late {shared_late} evict first {evict_first} sleep {sleep_ns} ns "
+                     f"ctas/SM {config} {_tiles_text(tiles)}")
             try:
                 options = MonoOptions(ctas_per_sm=int(ctas), tiles=tiles, poll_sleep_ns=sleep_ns,
                                       prefetch_final=bool(prefetch_final), route_early=bool(route_early),
-                                      shared_late=bool(shared_late))
+                                      shared_late=bool(shared_late), expert_evict_first=bool(evict_first))
                 mono = time_mono(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch,
                                  max_registers=int(cap) if cap else None)
                 print(f"{label}: {mono * 1e6:8.1f} us", flush=True)

@@ -76,8 +76,8 @@ import torch
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
-from .planner import (COL, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice, next_pow2, plan,
-                      timing_variant)
+from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
+                      next_pow2, plan, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_layer_inputs
 from .weights import LayerWeights
@@ -186,12 +186,23 @@ docs/PERF.md), off -> on: S = 1 81.4 -> 80.3 and 81.0 -> 80.0 us, S = 2 106.2 ->
 into registers, it gained nothing: 3056def.)"""
 
 
+EVICT_FIRST_MAX_TOKENS = 4
+"""Up to this many tokens a launch the expert tasks load their weights evict_first
+(MonoOptions.expert_evict_first): the expert stream then leaves in L2 what
+PREFETCH_FINAL put there for FINAL. From S = 8 on, tokens share enough experts
+that the L2 hits it gives up cost more. Measured on one H200 (mono_sweep
+--expert-evict-first 0 1 at the defaults, docs/PERF.md), off -> on: S = 1 75.4
+-> 73.5 us, S = 2 98.7 -> 94.8, S = 4 142.6 -> 137.9, S = 16 371.5 -> 381.3;
+S = 8 222.1 -> 224.8 on another call's machine."""
+
+
 def default_options(tokens: int, **choices) -> MonoOptions:
     """MonoOptions at the measured defaults for S = ``tokens`` (DEFAULT_CTAS_PER_SM,
     default_tiles, DEFAULT_POLL_SLEEP_NS, DEFAULT_PREFETCH_FINAL, SINGLE_TOKEN_SHARED_LATE
-    at S = 1), any field overridden by ``choices``."""
+    at S = 1, expert_evict_first up to EVICT_FIRST_MAX_TOKENS), any field overridden by ``choices``."""
     fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS,
-                  prefetch_final=DEFAULT_PREFETCH_FINAL, shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1)
+                  prefetch_final=DEFAULT_PREFETCH_FINAL, shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1,
+                  expert_evict_first=tokens <= EVICT_FIRST_MAX_TOKENS)
     return MonoOptions(**{**fields, **choices})
 
 
@@ -352,6 +363,7 @@ def build(key: MonoBuild) -> Compiled:
         F_EVEN_S=even_k(SI // T, g.final.block_k),
         GU_ROWS=g.expert_gate_up.rows, GU_BG=_block_groups(g.expert_gate_up),
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
+        EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST),
         VB=g.vector_block, CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),
         BETA=float(cfg.situ_beta), LINEAR_BETA=float(cfg.situ_linear_beta),

@@ -576,7 +576,8 @@ OPT_M1B = 1 << 1
 OPT_M1C = 1 << 2
 OPT_ROUTE_EARLY = 1 << 3
 OPT_SHARED_LATE = 1 << 4
-OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE
+OPT_EXPERT_EVICT_FIRST = 1 << 5
+OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE | OPT_EXPERT_EVICT_FIRST
 
 
 class TaskKind(enum.IntEnum):
@@ -658,6 +659,11 @@ class MonoOptions:
     route is known while the shared tasks fill the CTAs the gate/up tasks leave
     free (at S = 1, 192 gate/up tasks for 264 CTAs); FINAL, their only consumer,
     comes long after.
+    expert_evict_first (a build-key bit, ``bits()``): the MXFP4 expert tasks load
+    their weights with L2 policy evict_first, so the expert stream does not push
+    out what PREFETCH_FINAL put in L2 for FINAL; where tokens share experts
+    (S > 1) it also gives up the L2 hits of the second token's reads. The same
+    table and the same sums.
     """
 
     prefetch_final: bool = False
@@ -668,11 +674,13 @@ class MonoOptions:
     poll_sleep_ns: int = 0
     route_early: bool = False
     shared_late: bool = False
+    expert_evict_first: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
                 | (OPT_M1C if self.m1c is not None else 0) | (OPT_ROUTE_EARLY if self.route_early else 0)
-                | (OPT_SHARED_LATE if self.shared_late else 0))
+                | (OPT_SHARED_LATE if self.shared_late else 0)
+                | (OPT_EXPERT_EVICT_FIRST if self.expert_evict_first else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
@@ -686,7 +694,7 @@ class MonoOptions:
             raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
         return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
                    tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY),
-                   shared_late=bool(bits & OPT_SHARED_LATE))
+                   shared_late=bool(bits & OPT_SHARED_LATE), expert_evict_first=bool(bits & OPT_EXPERT_EVICT_FIRST))
 
 
 @dataclass(frozen=True)

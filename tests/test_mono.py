@@ -20,7 +20,7 @@ import triton
 
 from k3mono.config import preset
 from k3mono.errors import K3InputError
-from k3mono.mono import (DEFAULT_TILES, SINGLE_TOKEN_DOWN_ROWS, MonoBuild, MonoRunner,
+from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, MonoBuild, MonoRunner,
                          MonoTimeout, build, buffer_bytes, mono_key, peer_regions, scratch_regions)
 from k3mono.planner import COL, MonoOptions, TaskKind, TileChoice
 from k3mono.reference import layer_post_tp
@@ -167,12 +167,13 @@ def test_a_timeout_downstream_of_a_stalled_exchange_still_names_the_missing_rank
         runner.check_health()
 
 
-def test_prefetch_prefetch_final_the_route_first_and_the_shared_tasks_last_change_no_bits():
+def test_the_launch_options_change_no_bits():
     cfg, tokens, layer = preset("tiny"), 1, 1
     shards = shard_all(layer_weights(), cfg, 1)
     inputs = random_inputs(cfg, tokens, layer, seed=21)
     plain = MonoRunner(cfg, shards, tokens, layer, prefetch=0, options=MonoOptions())(**inputs)
-    for options in (MonoOptions(prefetch_final=True, route_early=True), MonoOptions(shared_late=True)):
+    for options in (MonoOptions(prefetch_final=True, route_early=True),
+                    MonoOptions(shared_late=True, expert_evict_first=True)):
         eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=options)
         kinds = [task.kind for task in eager.compiled.table.tasks]
         assert (TaskKind.PREFETCH_FINAL in kinds) == options.prefetch_final
@@ -275,12 +276,14 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
 def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_only():
     """The measured defaults (mono.default_options): S = 1 takes SINGLE_TOKEN_DOWN_ROWS
     down rows and SHARED_GU after EXPERT_GU, every other S DEFAULT_TILES and the
-    planner's order; every S the FINAL prefetch; a caller's options are kept as given."""
+    planner's order; every S the FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the
+    expert weights evict_first; a caller's options are kept as given."""
     cfg = preset("kimi-k3")
-    keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 8, 16)}
+    keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS) != DEFAULT_TILES
-    assert keys[2].tiles == keys[8].tiles == keys[16].tiles == DEFAULT_TILES
-    assert [k.options.shared_late for k in keys.values()] == [True, False, False, False]
+    assert keys[2].tiles == keys[4].tiles == keys[8].tiles == keys[16].tiles == DEFAULT_TILES
+    assert [k.options.shared_late for k in keys.values()] == [True, False, False, False, False]
+    assert [k.options.expert_evict_first for k in keys.values()] == [s <= EVICT_FIRST_MAX_TOKENS for s in keys]
     assert all(k.options.prefetch_final for k in keys.values())
     given = MonoOptions(tiles=TileChoice(down_rows=32))
     assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).options == given

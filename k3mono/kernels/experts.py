@@ -80,11 +80,12 @@ def _gate_up_loads(
     row_ok,
     G_ROW: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
 ):
     groups = g0 + tl.arange(0, BLOCK_G)
     col_ok = groups < G_ROW
-    words1, scales1 = load_mxfp4_tile(w1, w1_scale, groups, col_ok, rows, row_ok, G_ROW)
-    words3, scales3 = load_mxfp4_tile(w3, w3_scale, groups, col_ok, rows, row_ok, G_ROW)
+    words1, scales1 = load_mxfp4_tile(w1, w1_scale, groups, col_ok, rows, row_ok, G_ROW, EVICT_FIRST)
+    words3, scales3 = load_mxfp4_tile(w3, w3_scale, groups, col_ok, rows, row_ok, G_ROW, EVICT_FIRST)
     a_ptrs, a_ok = act_pair_ptrs(z_row, groups, col_ok)
     return words1, scales1, words3, scales3, load_act_pairs(a_ptrs, a_ok)
 
@@ -110,6 +111,7 @@ def expert_gate_up_task(
     STAGES: tl.constexpr = PIPELINE_STAGES,
     UNROLL: tl.constexpr = LOOP_UNROLL,
     LOOKAHEAD: tl.constexpr = False,  # load step i + 1 (weights, activations) before step i's math (GemvTile.lookahead)
+    EVICT_FIRST: tl.constexpr = False,  # weight loads evict_first in L2 (kernels/mxfp4.py load_mxfp4_tile)
 ):
     """Task = (pair s*K + j, tile of ROWS intermediate rows), pair-major."""
     TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
@@ -131,14 +133,15 @@ def expert_gate_up_task(
     up = tl.zeros((BLOCK_G, ROWS), tl.float32)
     z_row = z_ptr + token * L
     if LOOKAHEAD:
-        ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, 0, rows, row_ok, G_ROW, BLOCK_G)
+        ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, 0, rows, row_ok, G_ROW, BLOCK_G, EVICT_FIRST)
     for g0 in tl.range(0, G_ROW, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
         if LOOKAHEAD:
             words1, scales1, words3, scales3, acts = ahead
-            ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, g0 + BLOCK_G, rows, row_ok, G_ROW, BLOCK_G)
+            ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, g0 + BLOCK_G, rows, row_ok, G_ROW, BLOCK_G,
+                                   EVICT_FIRST)
         else:
             words1, scales1, words3, scales3, acts = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, g0, rows,
-                                                                    row_ok, G_ROW, BLOCK_G)
+                                                                    row_ok, G_ROW, BLOCK_G, EVICT_FIRST)
         dot1, dot3 = mxfp4_group_dot_pair(words1, words3, acts, DEQUANT)
         gate += dot1 * e8m0_scale(scales1)
         up += dot3 * e8m0_scale(scales3)
@@ -207,6 +210,7 @@ def _down_loads(
     L: tl.constexpr,
     I_R: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
 ):
     G_ROW: tl.constexpr = I_R // GROUP
     cols = c0 + tl.arange(0, BLOCK_G)
@@ -216,7 +220,7 @@ def _down_loads(
     expert = tl.load(ids_ptr + pair, mask=col_ok, other=0).to(tl.int64)
     w2 = (w2_ptr + expert * (L * I_R // PACKING))[:, None]
     w2_scale = (w2_scale_ptr + expert * (L * G_ROW))[:, None]
-    words, scales = load_mxfp4_tile(w2, w2_scale, cols % G_ROW, col_ok, rows, row_ok, G_ROW)
+    words, scales = load_mxfp4_tile(w2, w2_scale, cols % G_ROW, col_ok, rows, row_ok, G_ROW, EVICT_FIRST)
     a_ptrs, a_ok = act_pair_ptrs((act_ptr + pair * I_R)[:, None], cols % G_ROW, col_ok)
     # The 2^63 the dot still owes rides on the route weight (both exact).
     weight = tl.load(route_w_ptr + pair, mask=col_ok, other=0.0) * OUT_RESCALE
@@ -241,6 +245,7 @@ def expert_down_task(
     STAGES: tl.constexpr = PIPELINE_STAGES,
     UNROLL: tl.constexpr = LOOP_UNROLL,
     LOOKAHEAD: tl.constexpr = False,  # load step i + 1 (weights, activations, route weights) before step i's math
+    EVICT_FIRST: tl.constexpr = False,  # weight loads evict_first in L2 (kernels/mxfp4.py load_mxfp4_tile)
 ):
     """Task = (token, tile of ROWS latent rows), token-major.
 
@@ -262,15 +267,15 @@ def expert_down_task(
     acc = tl.zeros((BLOCK_G, ROWS), tl.float32)
     if LOOKAHEAD:
         ahead = _down_loads(0, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R,
-                            BLOCK_G)
+                            BLOCK_G, EVICT_FIRST)
     for c0 in tl.range(0, COLS, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
         if LOOKAHEAD:
             words, scales, acts, weight = ahead
             ahead = _down_loads(c0 + BLOCK_G, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, rows, row_ok,
-                                K, L, I_R, BLOCK_G)
+                                K, L, I_R, BLOCK_G, EVICT_FIRST)
         else:
             words, scales, acts, weight = _down_loads(c0, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr,
-                                                      rows, row_ok, K, L, I_R, BLOCK_G)
+                                                      rows, row_ok, K, L, I_R, BLOCK_G, EVICT_FIRST)
         acc += mxfp4_group_dot(words, acts, DEQUANT) * (e8m0_scale(scales) * weight[:, None])
     tl.store(out_ptr + token * L + rows, tl.sum(acc, axis=0), mask=row_ok)
 

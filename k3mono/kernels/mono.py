@@ -323,13 +323,14 @@ def expert_down_push_task(
     DN_ROWS: tl.constexpr,
     DN_BG: tl.constexpr,
     LOOKAHEAD: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
     """expert_down_task stores its tile into the own slot; with NP > 1 the CTA
     then copies those rows to every peer's before raising."""
     expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32 + slot,
-                     KTOP, L, I_R, DN_ROWS, DN_BG, LOOKAHEAD=LOOKAHEAD)
+                     KTOP, L, I_R, DN_ROWS, DN_BG, LOOKAHEAD=LOOKAHEAD, EVICT_FIRST=EVICT_FIRST)
     if NP > 1:
         tl.debug_barrier()
         rows = tile * DN_ROWS + tl.arange(0, DN_ROWS)
@@ -550,6 +551,7 @@ def _mono_kernel(
     DN_ROWS: tl.constexpr,
     DN_BG: tl.constexpr,
     EXPERT_LOOKAHEAD: tl.constexpr,
+    EXPERT_EVICT_FIRST: tl.constexpr,  # planner.MonoOptions.expert_evict_first
     VB: tl.constexpr,
     CANDS: tl.constexpr,
     CP: tl.constexpr,  # the seam partials' candidate extent (>= CANDS)
@@ -736,12 +738,13 @@ def _mono_kernel(
             elif kind == K_EXPERT_GU:
                 gu_task = (token * KTOP + slot) * tl.cdiv(I_R, GU_ROWS) + tile
                 expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr,
-                                    KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA, LOOKAHEAD=EXPERT_LOOKAHEAD)
+                                    KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA, LOOKAHEAD=EXPERT_LOOKAHEAD,
+                                    EVICT_FIRST=EXPERT_EVICT_FIRST)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_DOWN:
                 expert_down_push_task(token, tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32, peer_table_ptr,
                                       pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, DN_ROWS, DN_BG,
-                                      EXPERT_LOOKAHEAD, NP, SCOPE)
+                                      EXPERT_LOOKAHEAD, EXPERT_EVICT_FIRST, NP, SCOPE)
             elif kind == K_PREFETCH_FINAL:
                 _prefetch_rows(w_up_ptr, start, stop, H, L_R)
                 _prefetch_rows(w_sd_ptr, start, stop, H, SI_R)

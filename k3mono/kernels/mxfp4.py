@@ -196,16 +196,24 @@ def load_mxfp4_tile(
     rows,  # [R] int32
     row_ok,  # [R] bool
     G_ROW: tl.constexpr,  # groups per row (inputs / 32)
+    EVICT_FIRST: tl.constexpr = False,  # L2 policy evict_first: the bytes are read once
 ):
     """-> words [G, R, 4] int32, scales [G, R] uint8 (zeros where masked)."""
     word = tl.arange(0, WORDS_PER_GROUP)
     ok = col_ok[:, None] & row_ok[None, :]
     index = rows[None, :] * G_ROW + groups[:, None]
     word_ptrs = (packed_base.to(tl.pointer_type(tl.int32)) + index * WORDS_PER_GROUP)[:, :, None] + word[None, None, :]
-    words = tl.load(word_ptrs, mask=ok[:, :, None], other=0)
+    if EVICT_FIRST:
+        words = tl.load(word_ptrs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
+    else:
+        words = tl.load(word_ptrs, mask=ok[:, :, None], other=0)
     # Left contiguous, the scale bytes would get a vector layout of their own
     # and a shared-memory round trip (with barriers) per step to meet the words.
-    scales = tl.load(scale_base + tl.max_contiguous(index, [1, 1]), mask=ok, other=0)
+    scale_ptrs = scale_base + tl.max_contiguous(index, [1, 1])
+    if EVICT_FIRST:
+        scales = tl.load(scale_ptrs, mask=ok, other=0, eviction_policy="evict_first")
+    else:
+        scales = tl.load(scale_ptrs, mask=ok, other=0)
     return words, scales
 
 
