@@ -6,7 +6,7 @@ tiles in the same run (its stages too: whether smaller tasks help where the
 grid, not a register budget, sets how many warps an SM holds).
 
     python benchmarks/mono_sweep.py [--tokens 1 8] [--ctas 1 2 3:168 4:128] [--prefetch 0 1]
-                                    [--dense-step-kb 8 16 32] [--shared-step-kb 8 32] [--final-step-kb 8 32]
+                                    [--dense-step-kb 8 16 32] [--shared-step-kb 8 16 32]
                                     [--gate-up-rows 32 16 8] [--down-rows 32 16 8]
                                     [--router-rows 8 4 2 1] [--latent-rows 8 4 2] [--shared-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
@@ -23,7 +23,7 @@ grid, not a register budget, sets how many warps an SM holds).
 ``--shared-late`` whether SHARED_GU comes after EXPERT_GU in the table (MonoOptions.shared_late);
 ``--expert-evict-first`` whether the expert tasks' weight loads are evict_first in L2 (MonoOptions.expert_evict_first);
 ``--oproj-rows`` / ``--final-rows`` the rows of an o_proj / FINAL task (TileChoice.oproj_rows, final_rows);
-``--shared-step-kb`` / ``--final-step-kb`` the KB a shared gate/up / FINAL task loads a step (TileChoice).
+``--shared-step-kb`` the KB a shared gate/up task loads a step (TileChoice.shared_step_kb).
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> st
 def _tiles_text(tiles: TileChoice) -> str:
     return (f"dense step {tiles.dense_step_kb} KB gate/up rows {tiles.gate_up_rows} down rows {tiles.down_rows} "
             f"router rows {tiles.router_rows} latent rows {tiles.latent_rows} shared rows {tiles.shared_rows} lookahead {int(tiles.expert_lookahead)} "
-            f"o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows} shared step {tiles.shared_step_kb} KB "
-            f"final step {tiles.final_step_kb} KB")
+            f"o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows} shared step {tiles.shared_step_kb} KB")
 
 
 def main() -> None:
@@ -69,7 +68,6 @@ def main() -> None:
     parser.add_argument("--dense-step-kb", type=int, nargs="+", default=[DENSE_STEP_KB])
     parser.add_argument("--shared-step-kb", type=int, nargs="+", default=[DENSE_STEP_KB],
                         help="TileChoice.shared_step_kb")
-    parser.add_argument("--final-step-kb", type=int, nargs="+", default=[DENSE_STEP_KB], help="TileChoice.final_step_kb")
     parser.add_argument("--gate-up-rows", type=int, nargs="+", default=[EXPERT_ROWS], help="TileChoice.gate_up_rows")
     parser.add_argument("--down-rows", type=int, nargs="+", default=[EXPERT_ROWS], help="TileChoice.down_rows")
     parser.add_argument("--router-rows", type=int, nargs="+", default=[ROUTER_ROWS])
@@ -94,11 +92,11 @@ def main() -> None:
     for tokens in args.tokens:
         choices = [TileChoice(dense_step_kb=k, gate_up_rows=g, down_rows=d, router_rows=r, latent_rows=lr,
                               shared_rows=sh, expert_lookahead=bool(la), oproj_rows=o, final_rows=f,
-                              shared_step_kb=sk, final_step_kb=fk)
-                   for k, g, d, r, lr, sh, la, o, f, sk, fk in itertools.product(
+                              shared_step_kb=sk)
+                   for k, g, d, r, lr, sh, la, o, f, sk in itertools.product(
                        args.dense_step_kb, args.gate_up_rows, args.down_rows, args.router_rows, args.latent_rows,
                        args.shared_rows, args.expert_lookahead, args.oproj_rows, args.final_rows,
-                       args.shared_step_kb, args.final_step_kb)]
+                       args.shared_step_kb)]
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
         knobs = itertools.product(args.prefetch, args.prefetch_final, args.route_early, args.shared_late,

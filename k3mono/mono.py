@@ -153,10 +153,23 @@ same bytes a step. Measured on the H200 (benchmarks/mono_sweep.py --gate-up-rows
 against 224.3) and fewer gate/up rows more."""
 
 
+SINGLE_TOKEN_SHARED_STEP_KB = 16
+"""KB a shared gate/up task loads a step at S = 1 (TileChoice.shared_step_kb; the
+other sizes keep DEFAULT_TILES' 8): the 96 shared tasks run late at S = 1
+(SINGLE_TOKEN_SHARED_LATE), a chain of memory round trips each, 28 steps of
+8 KB. Measured on one H200 (mono_sweep --shared-step-kb 8 16 32 at the S = 1
+defaults, docs/PERF.md): 72.7 (8 KB) -> 71.1 (16) and 72.4 (32, which spills
+48 B in an offline sm_90a build); 8 KB again 72.8. S = 2 94.3 -> 96.0 and S = 8
+220.0 -> 226.2 with 16 KB. FINAL's step at 16 KB (a separate knob, not kept)
+gained nothing: 72.7 both."""
+
+
 def default_tiles(tokens: int) -> TileChoice:
-    """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows."""
+    """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows
+    and SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step."""
     if tokens == 1:
-        return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS)
+        return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
+                                   shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB)
     return DEFAULT_TILES
 
 

@@ -67,9 +67,9 @@ SM resident (the persistent kernel's registers) it keeps 2 steps in flight an
 SM, half of the ~32 KB HBM latency wants, and the o_proj's K = C/T = 1536 at
 T = 8 is only 3 steps of 512, each a full memory round trip. Measured on the
 H200 (docs/PERF.md, 2026-12-03): 16 and 32 KB were slower; 8 stays. The shared
-gate/up and FINAL tasks may take their own (TileChoice.shared_step_kb,
-final_step_kb): both are latency-bound chains of steps (a shared task 28 steps
-of 8 KB at TP8, S = 1; a FINAL task 10, from L2) where o_proj is not."""
+gate/up tasks may take their own (TileChoice.shared_step_kb): at TP8, S = 1 a
+shared task is a latency-bound chain of 28 steps of 8 KB, where o_proj's are few
+(mono.SINGLE_TOKEN_SHARED_STEP_KB)."""
 
 SHARED_ROWS = FMA_TILE[0]
 SHARED_ROWS_CHOICES = (2, 4, 8)
@@ -217,10 +217,9 @@ class TileChoice:
     final_rows: int = HIDDEN_ROWS
     m1b_rows: int = BACK_BLOCK_DV
     shared_step_kb: int = DENSE_STEP_KB
-    final_step_kb: int = DENSE_STEP_KB
 
     def check(self) -> None:
-        for name in ("dense_step_kb", "shared_step_kb", "final_step_kb"):
+        for name in ("dense_step_kb", "shared_step_kb"):
             if getattr(self, name) not in DENSE_STEP_KB_CHOICES:
                 raise K3InputError(f"tiles.{name}: expected one of {DENSE_STEP_KB_CHOICES}, got {getattr(self, name)!r}")
         for name in ("oproj_rows", "final_rows"):
@@ -468,7 +467,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         router=_dense(E // tp, H, use_dot, step_kb, tiles.router_rows),
         latent_down=_dense(L // tp, H, use_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, tiles.shared_step_kb, tiles.shared_rows),
-        final=_dense(H, max(L, SI) // tp, use_dot, tiles.final_step_kb, tiles.final_rows),
+        final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
         expert_gate_up=_expert(tiles.gate_up_rows, I // tp, L, tiles.expert_lookahead),
         expert_down=_expert(tiles.down_rows, L, cfg.num_experts_per_token * I // tp, tiles.expert_lookahead),
         vector_block=min(1024, next_pow2(H)),
