@@ -220,8 +220,9 @@ class TileChoice:
 
     def check(self) -> None:
         for name in ("dense_step_kb", "shared_step_kb"):
-            if getattr(self, name) not in DENSE_STEP_KB_CHOICES:
-                raise K3InputError(f"tiles.{name}: expected one of {DENSE_STEP_KB_CHOICES}, got {getattr(self, name)!r}")
+            step_kb = getattr(self, name)
+            if step_kb not in DENSE_STEP_KB_CHOICES:
+                raise K3InputError(f"tiles.{name}: expected one of {DENSE_STEP_KB_CHOICES}, got {step_kb!r}")
         for name in ("oproj_rows", "final_rows"):
             if getattr(self, name) not in HIDDEN_ROWS_CHOICES:
                 raise K3InputError(f"tiles.{name}: expected one of {HIDDEN_ROWS_CHOICES}, got {getattr(self, name)!r}")
@@ -665,10 +666,10 @@ class MonoOptions:
     free (at S = 1, 192 gate/up tasks for 264 CTAs); FINAL, their only consumer,
     comes long after.
     expert_evict_first (a build-key bit, ``bits()``): the MXFP4 expert tasks load
-    their weights with L2 policy evict_first, so the expert stream does not push
-    out what PREFETCH_FINAL put in L2 for FINAL; where tokens share experts
-    (S > 1) it also gives up the L2 hits of the second token's reads. The same
-    table and the same sums.
+    their weights with L2 policy evict_first: read once, they are the first to go
+    when L2 makes room, ahead of what PREFETCH_FINAL put there for FINAL; where
+    tokens share experts (S > 1) it also gives up the L2 hits of the second
+    token's reads. The same table and the same sums.
     """
 
     prefetch_final: bool = False

@@ -21,7 +21,8 @@ import triton
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
-                         MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, mono_key, peer_regions, scratch_regions)
+                         MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, mono_key, peer_regions,
+                         scratch_regions)
 from k3mono.planner import COL, MonoOptions, TaskKind, TileChoice
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
@@ -276,8 +277,9 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
 def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_only():
     """The measured defaults (mono.default_options): S = 1 takes SINGLE_TOKEN_DOWN_ROWS
     down rows, SINGLE_TOKEN_SHARED_STEP_KB a shared step and SHARED_GU after
-    EXPERT_GU, every other S DEFAULT_TILES and the planner's order; every S the FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the
-    expert weights evict_first; a caller's options are kept as given."""
+    EXPERT_GU, every other S DEFAULT_TILES and the planner's order; every S the
+    FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the expert weights evict_first;
+    a caller's options are kept as given."""
     cfg = preset("kimi-k3")
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
