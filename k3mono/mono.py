@@ -201,9 +201,9 @@ into registers, it gained nothing: 3056def.)"""
 
 EVICT_FIRST_MAX_TOKENS = 4
 """Up to this many tokens a launch the expert tasks load their weights evict_first
-(MonoOptions.expert_evict_first): the expert stream then leaves in L2 what
-PREFETCH_FINAL put there for FINAL. From S = 8 on, tokens share enough experts
-that the L2 hits it gives up cost more. Measured on one H200 (mono_sweep
+(MonoOptions.expert_evict_first): read once, they go first when L2 makes room,
+ahead of what PREFETCH_FINAL put there for FINAL. From S = 8 on, tokens share
+experts, and the L2 hits the policy gives up cost more than it saves. Measured on one H200 (mono_sweep
 --expert-evict-first 0 1 at the defaults, docs/PERF.md), off -> on: S = 1 75.4
 -> 73.5 us, S = 2 98.7 -> 94.8, S = 4 142.6 -> 137.9, S = 16 371.5 -> 381.3;
 S = 8 222.1 -> 224.8 on another call's machine."""
