@@ -23,7 +23,8 @@
 # m1c_profile: M1c's counters (S = 4); bulk: the bulk L2 prefetch modes (mono); ctas3: S = 1 at 3 CTAs a SM;
 # shared: the shared gate/up task rows; route: the route's tasks before the shared ones;
 # final_bulk: PREFETCH_FINAL tasks with the bulk prefetch; shared_late: SHARED_GU after EXPERT_GU;
-# tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case;
+# tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case; expert_mma: the expert
+# stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -141,6 +142,16 @@ for s in $STEPS; do
             --out "$RESULTS" ;;
     loops)  # the expert stages' hot loops: pipeline depth and unroll factor (staged)
         step expert_loops 200 python3 benchmarks/expert_loops.py --tokens 1 8 ;;
+    expert_mma)  # the expert tasks on tensor cores (TileChoice.expert_mma): the staged stages beside the FMA loops
+        # (checked against them first), then the mono launch checked (T = 1, loopback T = 8)
+        step expert_mma_stages 240 python3 benchmarks/expert_loops.py --tokens 1 8 16 --loops 1x1 --mma
+        step expert_mma_check 300 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 8 16 --expert-mma 1 \
+            --grids --occupy-sms 0 ;;
+    expert_mma_sweep)  # the mono launch with the expert tasks on FMA / tensor cores, at the defaults otherwise
+        step expert_mma_s1 200 $MONO_SWEEP --tokens 1 --ctas 2 --prefetch 0 --prefetch-final 1 --expert-lookahead 1 \
+            --down-rows 16 --shared-late 1 --expert-evict-first 1 --shared-step-kb 16 --expert-mma 0 1
+        step expert_mma_s2816 340 $MONO_SWEEP --tokens 2 8 16 --ctas 2 --prefetch 0 --prefetch-final 1 \
+            --expert-lookahead 1 --expert-mma 0 1 ;;
     tiles)  # gate/up and down task rows (TileChoice.gate_up_rows, down_rows), mono only, S = 1, 2 and 8
         step mono_tiles_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 8 --down-rows 32 16 8 --skip-staged

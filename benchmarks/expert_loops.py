@@ -4,8 +4,11 @@
 (kernels/experts.py EXPERT_STAGES, EXPERT_UNROLL), each variant's
 expert_gate_up and expert_down timed alone (CUDA-graph replay, weights
 rotated) with the bytes they read over the copy bandwidth of the same run.
+``--mma`` adds the tensor-core stages (weights in k3mono.mxfp4.mma_order,
+activations times 2^63) on each layer's own z and routes, first checked
+against the FMA stages' outputs of that run.
 
-    python benchmarks/expert_loops.py [--tokens 1 8] [--loops 3x1 1x1 2x1 4x1 1x2 1x4]
+    python benchmarks/expert_loops.py [--tokens 1 8] [--loops 3x1 1x1 2x1 4x1 1x2 1x4] [--mma]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from k3mono.bench import WEIGHT_SETS, _loopback_layers, _rank0_stages, _unique_e
 from k3mono.config import preset
 from k3mono.floor import weight_bytes
 from k3mono.kernels import experts
+from k3mono.mxfp4 import mma_order
 from k3mono.synthetic import random_shard
 from k3mono.timing import copy_bandwidth, time_graph
 
@@ -33,12 +37,65 @@ def expert_bytes(cfg, tp: int, unique_experts: float) -> dict:
     return {stage: sum(read[name] for name in names) for stage, names in STAGE_TENSORS.items()}
 
 
+PRESCALE = 2.0**63  # kernels/mxfp4.py ACT_PRESCALE
+ACT_ULPS = 2  # bf16 steps an act may move (fp32 sums in another order; tests/test_kernels_moe.py)
+ACT_OFF_FRACTION = 0.01
+PARTIAL_REL = 1e-3  # of the partial's largest magnitude: the act flips above carry on
+
+
+def mma_stages(cfg, layer, shard, tokens: int) -> dict:
+    """The tensor-core stages of one staged layer's rank 0, on its z and routes."""
+    scratch, z = layer.scratch[0], layer.peer[0]["z"]
+    words = {name: mma_order(getattr(shard, f"{name}_packed")) for name in ("w1", "w3", "w2")}
+    z_prescaled = (z.float() * PRESCALE).to(torch.bfloat16)
+    act = torch.empty_like(scratch["expert_act"])
+    partial = torch.empty(tokens, cfg.routed_expert_hidden_size, device=z.device)
+    ids, route_w = scratch["route_ids"], scratch["route_w"]
+    return {
+        "expert_gate_up": lambda: experts.launch_expert_gate_up_mma(
+            z_prescaled, ids, words["w1"], shard.w1_scale, words["w3"], shard.w3_scale, act, tokens, cfg),
+        "expert_down": lambda: experts.launch_expert_down_mma(
+            act, ids, route_w, words["w2"], shard.w2_scale, partial, tokens, cfg),
+        "act": act,
+        "partial": partial,
+    }
+
+
+def check_mma(layer, stages: dict) -> None:
+    """The tensor-core outputs against the FMA stages' of the same layer run."""
+    stages["expert_gate_up"]()
+    stages["expert_down"]()
+    want_act = layer.scratch[0]["expert_act"]
+    act = (stages["act"].float() / PRESCALE).to(torch.bfloat16)
+    ulps = (act.view(torch.int16).int() - want_act.view(torch.int16).int()).abs()
+    off = int((ulps > 0).sum())
+    want_partial = layer.peer[0]["ar2"][0]
+    partial_err = float((stages["partial"] - want_partial).abs().max() / want_partial.abs().max())
+    if off > ACT_OFF_FRACTION * act.numel() + 1 or int(ulps.max()) > ACT_ULPS or partial_err > PARTIAL_REL:
+        raise SystemExit(f"tensor-core stages disagree with the FMA stages: act {off} of {act.numel()} elements off, "
+                         f"at most {int(ulps.max())} steps; partial {partial_err:.2e} of its largest")
+    print(f"  tensor-core stages agree: act {off} of {act.numel()} elements off by 1..{int(ulps.max())} steps, "
+          f"partial {partial_err:.1e}", flush=True)
+
+
+def time_mma(cfg, layers, sets, tokens: int, read: dict, bandwidth: float) -> str:
+    by_set = [mma_stages(cfg, layer, shard, tokens) for layer, shard in zip(layers, sets)]
+    for layer, stages in zip(layers, by_set):
+        check_mma(layer, stages)
+    cells = []
+    for name in STAGE_TENSORS:
+        seconds = time_graph([stages[name] for stages in by_set])
+        cells.append(f"{name} {seconds * 1e6:6.1f} us ({read[name] / seconds / bandwidth:4.0%} of copy)")
+    return ", ".join(cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--loops", nargs="+", default=["3x1", "1x1", "2x1", "4x1", "1x2", "1x4"],
                         help="STAGESxUNROLL")
     parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--mma", action="store_true", help="also the tensor-core stages (weights in mma order)")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
@@ -56,6 +113,9 @@ def main() -> None:
                 seconds = time_graph([stages_of[name] for stages_of in by_name])
                 cells.append(f"{name} {seconds * 1e6:6.1f} us ({read[name] / seconds / bandwidth:4.0%} of copy)")
             print(f"T={args.tp} S={tokens:>2} loops {stages}x{unroll}: " + ", ".join(cells), flush=True)
+            if args.mma and loop == args.loops[-1]:
+                print(f"T={args.tp} S={tokens:>2} tensor cores: " + time_mma(cfg, layers, sets, tokens, read, bandwidth),
+                      flush=True)
             del layers
             torch.cuda.empty_cache()
 

@@ -5,7 +5,7 @@ the bf16 reference, every rank's copy compared bit for bit.
 
     python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
                                    [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--gate-up-rows 32]
-                                   [--down-rows 32] [--router-rows 8] [--expert-lookahead 0]
+                                   [--down-rows 32] [--router-rows 8] [--expert-lookahead 0] [--expert-mma 1]
 
 The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
 T = 8 with every rank in loopback) eagerly, then captures the T launches in
@@ -157,8 +157,9 @@ def chosen_tiles(args, tokens: int) -> TileChoice:
     """mono.default_tiles(tokens) with the fields given on the command line."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TileChoice)
              if getattr(args, f.name, None) is not None}
-    if "expert_lookahead" in given:
-        given["expert_lookahead"] = bool(given["expert_lookahead"])
+    for flag in ("expert_lookahead", "expert_mma"):
+        if flag in given:
+            given[flag] = bool(given[flag])
     return dataclasses.replace(default_tiles(tokens), **given)
 
 
@@ -169,7 +170,7 @@ def main() -> int:
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
     for name in ("dense_step_kb", "gate_up_rows", "down_rows", "router_rows", "latent_rows", "shared_rows",
-                 "expert_lookahead", "oproj_rows", "final_rows"):
+                 "expert_lookahead", "oproj_rows", "final_rows", "expert_mma"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"TileChoice.{name} (default: mono.default_tiles(S)'s)")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")

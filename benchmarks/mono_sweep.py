@@ -11,7 +11,8 @@ grid, not a register budget, sets how many warps an SM holds).
                                     [--router-rows 8 4 2 1] [--latent-rows 8 4 2] [--shared-rows 8 4 2]
                                     [--poll-sleep-ns 0 200] [--expert-lookahead 0 1] [--prefetch-final 0 1]
                                     [--route-early 0 1] [--shared-late 0 1] [--expert-evict-first 0 1]
-                                    [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--skip-staged | --skip-mono]
+                                    [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--expert-mma 0 1]
+                                    [--skip-staged | --skip-mono]
 
 ``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
 (maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
@@ -23,7 +24,9 @@ grid, not a register budget, sets how many warps an SM holds).
 ``--shared-late`` whether SHARED_GU comes after EXPERT_GU in the table (MonoOptions.shared_late);
 ``--expert-evict-first`` whether the expert tasks' weight loads are evict_first in L2 (MonoOptions.expert_evict_first);
 ``--oproj-rows`` / ``--final-rows`` the rows of an o_proj / FINAL task (TileChoice.oproj_rows, final_rows);
-``--shared-step-kb`` the KB a shared gate/up task loads a step (TileChoice.shared_step_kb).
+``--shared-step-kb`` the KB a shared gate/up task loads a step (TileChoice.shared_step_kb);
+``--expert-mma`` the expert tasks on tensor cores (TileChoice.expert_mma: weights in mma order, made
+once a weight set; the gate/up and down rows and the lookahead then do not apply).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def _staged_text(cfg, tp: int, tokens: int, sets: list, tiles: TileChoice) -> st
 def _tiles_text(tiles: TileChoice) -> str:
     return (f"dense step {tiles.dense_step_kb} KB gate/up rows {tiles.gate_up_rows} down rows {tiles.down_rows} "
             f"router rows {tiles.router_rows} latent rows {tiles.latent_rows} shared rows {tiles.shared_rows} lookahead {int(tiles.expert_lookahead)} "
-            f"o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows} shared step {tiles.shared_step_kb} KB")
+            f"o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows} shared step {tiles.shared_step_kb} KB "
+            f"expert mma {int(tiles.expert_mma)}")
 
 
 def main() -> None:
@@ -83,6 +87,7 @@ def main() -> None:
                         help="MonoOptions.expert_evict_first (0 / 1)")
     parser.add_argument("--oproj-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.oproj_rows")
     parser.add_argument("--final-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.final_rows")
+    parser.add_argument("--expert-mma", type=int, nargs="+", default=[0], help="TileChoice.expert_mma (0 / 1)")
     parser.add_argument("--skip-staged", action="store_true", help="time the mono launch only")
     parser.add_argument("--skip-mono", action="store_true", help="time the staged path only")
     parser.add_argument("--tp", type=int, default=8)
@@ -92,11 +97,11 @@ def main() -> None:
     for tokens in args.tokens:
         choices = [TileChoice(dense_step_kb=k, gate_up_rows=g, down_rows=d, router_rows=r, latent_rows=lr,
                               shared_rows=sh, expert_lookahead=bool(la), oproj_rows=o, final_rows=f,
-                              shared_step_kb=sk)
-                   for k, g, d, r, lr, sh, la, o, f, sk in itertools.product(
+                              shared_step_kb=sk, expert_mma=bool(mma))
+                   for k, g, d, r, lr, sh, la, o, f, sk, mma in itertools.product(
                        args.dense_step_kb, args.gate_up_rows, args.down_rows, args.router_rows, args.latent_rows,
                        args.shared_rows, args.expert_lookahead, args.oproj_rows, args.final_rows,
-                       args.shared_step_kb)]
+                       args.shared_step_kb, args.expert_mma)]
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
         knobs = itertools.product(args.prefetch, args.prefetch_final, args.route_early, args.shared_late,

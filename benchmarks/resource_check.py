@@ -2,14 +2,15 @@
 their sm_90a builds without a GPU (k3mono/offline.py).
 
     PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback]
-        [--gate-up-rows 32] [--down-rows 32] [--prefetch 0]
+        [--gate-up-rows 32] [--down-rows 32] [--prefetch 0] [--expert-mma]
     PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
 
 For the mono kernel: registers, spills and shared memory, hence the CTAs an
 SM holds (its grid is planned for DEFAULT_CTAS_PER_SM; CTAs past what fits
 wait for a whole earlier CTA to end). For the expert kernels: the same, and
 their hot loop's SASS: instructions a weight value, by opcode. With
---m1c-alone: M1c launched alone (fp8 and bf16 cache), its context loop's
+--expert-mma: the mono build with TileChoice.expert_mma and the expert
+kernels on tensor cores (weights in mma order). With --m1c-alone: M1c launched alone (fp8 and bf16 cache), its context loop's
 instructions a step, the shared-memory and tensor-core ones by opcode.
 """
 
@@ -61,6 +62,7 @@ def main() -> int:
     parser.add_argument("--down-rows", type=int, default=None,
                         help="the mono build's TileChoice.down_rows (default: mono.default_tiles(S)'s)")
     parser.add_argument("--prefetch", type=int, default=None, help="the mono prefetch mode (mono.MonoBuild.prefetch)")
+    parser.add_argument("--expert-mma", action="store_true", help="the expert tasks on tensor cores (TileChoice.expert_mma)")
     parser.add_argument("--m1c-alone", action="store_true", help="M1c launched alone instead (fp8 and bf16 cache)")
     args = parser.parse_args()
     if args.m1c_alone:
@@ -70,13 +72,15 @@ def main() -> int:
           f"planned {DEFAULT_CTAS_PER_SM} CTAs a SM on {offline.H200_SMS} SMs")
     prefetch = DEFAULT_PREFETCH if args.prefetch is None else args.prefetch
     for tokens in args.tokens:
-        given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows}
+        given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows, "expert_mma": args.expert_mma or None}
         tiles = dataclasses.replace(default_tiles(tokens), **{k: v for k, v in given.items() if v is not None})
         compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles,
                                              prefetch=prefetch)
-        print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} (gate/up rows {tiles.gate_up_rows}, down rows "
-              f"{tiles.down_rows}, prefetch {prefetch}): grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
-        for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens):
+        experts_text = ("expert tasks on tensor cores" if tiles.expert_mma
+                        else f"gate/up rows {tiles.gate_up_rows}, down rows {tiles.down_rows}")
+        print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} ({experts_text}, prefetch {prefetch}): "
+              f"grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
+        for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens, mma=args.expert_mma):
             loop = max(offline.sass_loops(compiled), key=len)
             ops = offline.opcode_counts(loop)
             top = ", ".join(f"{op} {n / values:.2f}" for op, n in ops.most_common(5))

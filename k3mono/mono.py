@@ -29,7 +29,8 @@ k2_launch argument names (the seed's) -> LayerWeights fields
     w_gate router, bias router_bias, w_ld latent_down, w_sgu (shared_gate,
     shared_up) (the seed fuses them; here a pair), w_sd shared_down,
     w13 (w1_packed, w3_packed), w13s (w1_scale, w3_scale) (pairs likewise),
-    w2 w2_packed, w2s w2_scale, ln_w latent_norm, w_up latent_up.
+    w2 w2_packed, w2s w2_scale, ln_w latent_norm, w_up latent_up; with
+    TileChoice.expert_mma, w13 and w2 in mma order (k3mono.mxfp4.mma_order).
     ``alarm`` is the wait bound: polls a wait may spin before it gives up.
     ``m1b_in`` (M1b builds only): the rank's heads' o, lse, w_v, w_v_scale and
     gate (kernels/mla_back.py); the launch writes ``core`` from them first.
@@ -76,6 +77,7 @@ import torch
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
+from .mxfp4 import mma_order
 from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
                       next_pow2, plan, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
@@ -376,7 +378,7 @@ def build(key: MonoBuild) -> Compiled:
         F_EVEN_S=even_k(SI // T, g.final.block_k),
         GU_ROWS=g.expert_gate_up.rows, GU_BG=_block_groups(g.expert_gate_up),
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
-        EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST),
+        EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
         VB=g.vector_block, CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),
         BETA=float(cfg.situ_beta), LINEAR_BETA=float(cfg.situ_linear_beta),
@@ -580,6 +582,7 @@ def k2_launch(
     w_sg, w_su = _pair("w_sgu", w_sgu)
     w1, w3 = _pair("w13", w13)
     w1s, w3s = _pair("w13s", w13s)
+    check_expert_order(key, w1, w3, w2)
     nb = key.cfg.num_blocks(layer)
     views = lambda b, dt: b.view(dt)  # noqa: E731
     _mono_kernel[(c.grid,)](
@@ -618,14 +621,28 @@ def peer_address_table(peers, device) -> torch.Tensor:
     return torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
 
 
-def launch_args(w: LayerWeights) -> dict:
-    """The seed's weight argument names for a rank's shard."""
+def launch_args(w: LayerWeights, expert_mma: bool = False) -> dict:
+    """The seed's weight argument names for a rank's shard; ``expert_mma``
+    (TileChoice.expert_mma): w13 and w2 in mma order (k3mono.mxfp4.mma_order,
+    made here once: hold the result, not the shard, across launches)."""
+    order = mma_order if expert_mma else (lambda packed: packed)
     return dict(
         w_o=w.o_proj, ares_nw=w.ares_norm, ares_qk=w.ares_proj, in_nw=w.post_norm, w_gate=w.router,
         bias=w.router_bias, w_ld=w.latent_down, w_sgu=(w.shared_gate, w.shared_up), w_sd=w.shared_down,
-        w13=(w.w1_packed, w.w3_packed), w13s=(w.w1_scale, w.w3_scale), w2=w.w2_packed, w2s=w.w2_scale,
-        ln_w=w.latent_norm, w_up=w.latent_up,
+        w13=(order(w.w1_packed), order(w.w3_packed)), w13s=(w.w1_scale, w.w3_scale), w2=order(w.w2_packed),
+        w2s=w.w2_scale, ln_w=w.latent_norm, w_up=w.latent_up,
     )
+
+
+def check_expert_order(key: MonoBuild, w1, w3, w2) -> None:
+    """The expert weights in the order the build reads (TileChoice.expert_mma:
+    int32 words of k3mono.mxfp4.mma_order; else the checkpoint's uint8 bytes)."""
+    want = torch.int32 if key.tiles.expert_mma else torch.uint8
+    for name, t in (("w13[0]", w1), ("w13[1]", w3), ("w2", w2)):
+        if not isinstance(t, torch.Tensor) or t.dtype != want:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            order = "mma order (k3mono.mxfp4.mma_order)" if key.tiles.expert_mma else "the checkpoint's bytes"
+            raise K3InputError(f"{name}: expected {want} ({order}, as the build's tiles.expert_mma says), got {got}")
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -670,7 +687,7 @@ class MonoRank:
         self.symmetric_handle = None  # keeps a symmetric-memory mapping of the peers alive
         self._table, self._table_for = None, None
         self._peer_table()  # made here, so that even a first launch may be captured in a CUDA graph
-        self._args = launch_args(shard)
+        self._args = launch_args(shard, key.tiles.expert_mma)
 
     def timing_variant(self, how: str, kind) -> "MonoRank":
         """This rank's launch on a timing variant of its table (planner.timing_variant:

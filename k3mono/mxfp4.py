@@ -70,3 +70,41 @@ def quantize(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).to(torch.uint8)
     scale = (exponent + E8M0_BIAS).to(torch.uint8)
     return packed, scale
+
+
+MMA_WORDS_PER_GROUP = MXFP4_GROUP // 8
+"""A group's 16 bytes as int32 words, each 8 nibbles."""
+_MMA_PAIRS = 4  # bf16 pairs a word holds (nibbles q and q + 4)
+_NIBBLE_BITS = 4
+_MMA_CHUNK_GROUPS = 1 << 20  # groups reordered at once (a shard's experts hold hundreds of millions)
+
+
+def _mma_words(group_bytes: torch.Tensor) -> torch.Tensor:
+    """[N, 16] u8 groups -> [N, 4] int32 words in mma order (mma_order)."""
+    # Element 2t + 8q + h sits in byte t + 4q, low nibble for h = 0: word t takes
+    # the low nibbles of bytes t, t + 4, t + 8, t + 12 into its low half, their
+    # high nibbles into its high half.
+    by_quad = group_bytes.view(-1, _MMA_PAIRS, MMA_WORDS_PER_GROUP).to(torch.int32)  # [N, q, t]
+    shifts = (torch.arange(_MMA_PAIRS, device=group_bytes.device, dtype=torch.int32) * _NIBBLE_BITS)[:, None]
+    low = ((by_quad & 0xF) << shifts).sum(dim=1, dtype=torch.int32)
+    high = ((by_quad >> _NIBBLE_BITS) << shifts).sum(dim=1, dtype=torch.int32)
+    return low | (high << 16)
+
+
+def mma_order(packed: torch.Tensor) -> torch.Tensor:
+    """[..., R, C/2] u8 (compressed-tensors order) -> [..., R, C/8] int32 words for
+    the tensor-core expert loops (kernels/mxfp4.py e2m1_mma_tile).
+
+    Only the order inside each group's 16 bytes changes: word t of a group holds
+    the group's elements 2t + 8q + h in nibble q + 4h (q = 0..3, h = 0, 1). An mma
+    operand fragment gives thread t of each quad the element pairs (2t, 2t + 1)
+    and (2t + 8, 2t + 9) of every 16 inputs, so word t is that thread's share of
+    the group, and nibbles q and q + 4, 16 bits apart, become one bf16 pair. The
+    scales are unchanged. An int32 tensor, so a launcher told to expect this
+    order can tell it from the checkpoint's bytes."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] * 2 % MXFP4_GROUP:
+        raise K3InputError(f"mma_order: expected uint8 [..., R, C/2] with C a multiple of {MXFP4_GROUP}, "
+                           f"got {packed.dtype} {list(packed.shape)}")
+    group_bytes = packed.contiguous().view(-1, MXFP4_GROUP // 2)
+    words = torch.cat([_mma_words(chunk) for chunk in group_bytes.split(_MMA_CHUNK_GROUPS)])
+    return words.view(*packed.shape[:-1], packed.shape[-1] // 4)

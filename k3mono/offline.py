@@ -182,22 +182,34 @@ def m1c_build(kv_dtype: str, tokens: int, splits: int, context: int):
     return build_launch(mla_attn._mla_attn_kernel, call)
 
 
-def expert_builds(cfg, tp: int, tokens: int):
-    """(name, compiled, weight values a thread handles per step of the hot loop)."""
+def expert_builds(cfg, tp: int, tokens: int, mma: bool = False):
+    """(name, compiled, weight values a thread handles per step of the hot loop);
+    ``mma``: the tensor-core loops (weights in k3mono.mxfp4.mma_order)."""
     from .kernels import experts
-    from .planner import stage_geometry
+    from .mxfp4 import mma_order
+    from .planner import expert_mma_tile, stage_geometry
 
     geom, shard = stage_geometry(cfg, tp, tokens), empty_shard(cfg, tp)
     K, L, I_R = cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
     ids = torch.zeros(tokens, K, dtype=torch.int32)
     act = torch.zeros(tokens, K, I_R, dtype=torch.bfloat16)
     z = torch.zeros(tokens, L, dtype=torch.bfloat16)
-    gate_up, _ = build_launch(experts._expert_gate_up_kernel, lambda: experts.launch_expert_gate_up(
-        z, ids, shard.w1_packed, shard.w1_scale, shard.w3_packed, shard.w3_scale, act, geom, cfg))
-    down, _ = build_launch(experts._expert_down_kernel, lambda: experts.launch_expert_down(
-        act, ids, torch.zeros(tokens, K), shard.w2_packed, shard.w2_scale, torch.zeros(tokens, L), geom, cfg))
+    route_w, partial = torch.zeros(tokens, K), torch.zeros(tokens, L)
+    if mma:
+        w1, w3, w2 = (mma_order(t) for t in (shard.w1_packed, shard.w3_packed, shard.w2_packed))
+        gate_up, _ = build_launch(experts._expert_gate_up_mma_kernel, lambda: experts.launch_expert_gate_up_mma(
+            z, ids, w1, shard.w1_scale, w3, shard.w3_scale, act, tokens, cfg))
+        down, _ = build_launch(experts._expert_down_mma_kernel, lambda: experts.launch_expert_down_mma(
+            act, ids, route_w, w2, shard.w2_scale, partial, tokens, cfg))
+    else:
+        gate_up, _ = build_launch(experts._expert_gate_up_kernel, lambda: experts.launch_expert_gate_up(
+            z, ids, shard.w1_packed, shard.w1_scale, shard.w3_packed, shard.w3_scale, act, geom, cfg))
+        down, _ = build_launch(experts._expert_down_kernel, lambda: experts.launch_expert_down(
+            act, ids, route_w, shard.w2_packed, shard.w2_scale, partial, geom, cfg))
+    gate_up_tile = expert_mma_tile(I_R) if mma else geom.expert_gate_up
+    down_tile = expert_mma_tile(L) if mma else geom.expert_down
     per_step = {
-        "expert_gate_up": 2 * geom.expert_gate_up.rows * geom.expert_gate_up.block_k // (32 * geom.expert_gate_up.warps),
-        "expert_down": geom.expert_down.rows * geom.expert_down.block_k // (32 * geom.expert_down.warps),
+        "expert_gate_up": 2 * gate_up_tile.rows * gate_up_tile.block_k // (32 * gate_up_tile.warps),
+        "expert_down": down_tile.rows * down_tile.block_k // (32 * down_tile.warps),
     }
     return [("expert_gate_up", gate_up, per_step["expert_gate_up"]), ("expert_down", down, per_step["expert_down"])]

@@ -190,6 +190,26 @@ lost 11 us with it, docs/PERF.md); the mono launch's default turns it on
 (mono.DEFAULT_TILES). Same bits either way."""
 
 
+EXPERT_MMA_ROWS = 64
+EXPERT_MMA_GROUPS = 8
+"""The tensor-core expert loops (TileChoice.expert_mma; weights in mma order,
+kernels/mxfp4.py e2m1_mma_tile): 64 output rows a task, the M of one Hopper
+warpgroup MMA at 4 warps (a 32-row probe compiled to mma.sync with the tile
+through shared memory), and 8 groups (256 inputs) a step: two matrices' bf16
+tiles of 64 registers a thread for gate/up, half the block-diagonal
+activations' MMA_N = 16 columns. Offline sm_90a builds at TP8 (docs/PERF.md):
+2.64 (gate/up) and 3.82 (down) instructions a weight value, against 4.34 and
+5.00 for the FMA loops; 16 groups a step spilled in a probe of gate/up. Not
+yet timed on a GPU, so off by default. The FMA loops' lookahead and
+expert_evict_first do not apply to these loops."""
+
+
+def expert_mma_tile(out_dim: int) -> GemvTile:
+    """The tensor-core expert tile for ``out_dim`` output rows (tl.dot's M is at least DOT_MIN_TOKENS)."""
+    rows = max(DOT_MIN_TOKENS, min(EXPERT_MMA_ROWS, next_pow2(out_dim)))
+    return GemvTile(rows=rows, block_k=EXPERT_MMA_GROUPS * MXFP4_GROUP, warps=4)
+
+
 BACK_BLOCK_DV = 32
 BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
 """Value rows of one head an M1b task (or program) produces: 4 a head, 48 tasks
@@ -204,7 +224,7 @@ head's splits, so fewer rows make more, shorter tasks that repeat the combine.""
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
     build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, LATENT_ROWS, SHARED_ROWS,
-    EXPERT_LOOKAHEAD, HIDDEN_ROWS and BACK_BLOCK_DV)."""
+    EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV and EXPERT_MMA_ROWS)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
@@ -217,6 +237,7 @@ class TileChoice:
     final_rows: int = HIDDEN_ROWS
     m1b_rows: int = BACK_BLOCK_DV
     shared_step_kb: int = DENSE_STEP_KB
+    expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
 
     def check(self) -> None:
         for name in ("dense_step_kb", "shared_step_kb"):
@@ -235,8 +256,9 @@ class TileChoice:
             raise K3InputError(f"tiles.latent_rows: expected one of {LATENT_ROWS_CHOICES}, got {self.latent_rows!r}")
         if self.shared_rows not in SHARED_ROWS_CHOICES:
             raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
-        if not isinstance(self.expert_lookahead, bool):
-            raise K3InputError(f"tiles.expert_lookahead: expected a bool, got {self.expert_lookahead!r}")
+        for name in ("expert_lookahead", "expert_mma"):
+            if not isinstance(getattr(self, name), bool):
+                raise K3InputError(f"tiles.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.m1b_rows not in BACK_BLOCK_DV_CHOICES:
             raise K3InputError(f"tiles.m1b_rows: expected one of {BACK_BLOCK_DV_CHOICES}, got {self.m1b_rows!r}")
 
@@ -469,8 +491,10 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         latent_down=_dense(L // tp, H, use_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, tiles.shared_step_kb, tiles.shared_rows),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
-        expert_gate_up=_expert(tiles.gate_up_rows, I // tp, L, tiles.expert_lookahead),
-        expert_down=_expert(tiles.down_rows, L, cfg.num_experts_per_token * I // tp, tiles.expert_lookahead),
+        expert_gate_up=(expert_mma_tile(I // tp) if tiles.expert_mma
+                        else _expert(tiles.gate_up_rows, I // tp, L, tiles.expert_lookahead)),
+        expert_down=(expert_mma_tile(L) if tiles.expert_mma
+                     else _expert(tiles.down_rows, L, cfg.num_experts_per_token * I // tp, tiles.expert_lookahead)),
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
         seam_cols=seam_cols(H),

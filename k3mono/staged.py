@@ -23,6 +23,10 @@ Order of one run (tp.py's exchange order):
     -> route (parts, merge) -> expert_gate_up -> expert_down -> exchange ar2
     -> latent_norm -> final_partial -> exchange ar3 -> final_reduce
 
+With tiles.expert_mma the expert stages run on tensor cores (weights in mma
+order, made once here), and z is multiplied by 2^63 after its exchange: what
+the mono launch's LATENT_DOWN tasks push for them.
+
 Shapes: S tokens, H hidden, E experts, K top-k, L latent, C core width, T ranks.
 """
 
@@ -36,16 +40,19 @@ import torch
 from .config import K3Config
 from .errors import K3InputError
 from .kernels.attnres import launch_attnres
-from .kernels.experts import launch_expert_down, launch_expert_gate_up
+from .kernels.experts import (launch_expert_down, launch_expert_down_mma, launch_expert_gate_up,
+                              launch_expert_gate_up_mma)
 from .kernels.final import launch_final_partial
 from .kernels.latent_down import launch_latent_down
 from .kernels.latent_norm import launch_latent_norm
+from .kernels.mxfp4 import ACT_PRESCALE
 from .kernels.oproj import launch_oproj
 from .kernels.reduce import launch_final_reduce, launch_reduce_prefix
 from .kernels.route import launch_route
 from .kernels.router import launch_router
 from .kernels.shared import launch_shared_gate_up
 from .layout import layout_bytes, peer_layout, region_views, scratch_layout
+from .mxfp4 import mma_order
 from .planner import TileChoice, stage_geometry
 from .validate import check_layer_inputs
 from .weights import LayerWeights, check_weights
@@ -102,6 +109,10 @@ class StagedLayer:
         self.tp = _check_shards(cfg, shards)
         self.cfg, self.shards, self.tokens, self.layer = cfg, list(shards), tokens, layer
         self.geom = stage_geometry(cfg, self.tp, tokens, tiles=tiles)
+        self.expert_mma = tiles.expert_mma
+        # tiles.expert_mma: each rank's w1, w3, w2 in mma order (k3mono.mxfp4.mma_order), made once
+        self.expert_words = [{name: mma_order(getattr(w, f"{name}_packed")) for name in ("w1", "w3", "w2")}
+                             for w in self.shards] if tiles.expert_mma else None
         self.device = shards[0].o_proj.device
         self.nb = cfg.num_blocks(layer)
         S, H = tokens, cfg.hidden_size
@@ -162,6 +173,8 @@ class StagedLayer:
         )
         out.append(("exchange logits", lambda: self._exchange_columns("logits")))
         out.append(("exchange z", lambda: self._exchange_columns("z")))
+        if self.expert_mma:  # z * 2^63 (exact), as the mono launch's LATENT_DOWN tasks push it for these experts
+            each_rank("prescale z", lambda r: peer[r]["z"].mul_(ACT_PRESCALE.value))
         each_rank(
             "route",
             lambda r: launch_route(
@@ -169,20 +182,37 @@ class StagedLayer:
                 scratch[r]["route_keys"], geom, cfg,
             ),
         )
-        each_rank(
-            "expert_gate_up",
-            lambda r: launch_expert_gate_up(
-                peer[r]["z"], scratch[r]["route_ids"], w[r].w1_packed, w[r].w1_scale, w[r].w3_packed, w[r].w3_scale,
-                scratch[r]["expert_act"], geom, cfg,
-            ),
-        )
-        each_rank(
-            "expert_down",
-            lambda r: launch_expert_down(
-                scratch[r]["expert_act"], scratch[r]["route_ids"], scratch[r]["route_w"], w[r].w2_packed, w[r].w2_scale,
-                peer[r]["ar2"][r], geom, cfg,
-            ),
-        )
+        if self.expert_mma:
+            words = self.expert_words
+            each_rank(
+                "expert_gate_up",
+                lambda r: launch_expert_gate_up_mma(
+                    peer[r]["z"], scratch[r]["route_ids"], words[r]["w1"], w[r].w1_scale, words[r]["w3"],
+                    w[r].w3_scale, scratch[r]["expert_act"], self.tokens, cfg,
+                ),
+            )
+            each_rank(
+                "expert_down",
+                lambda r: launch_expert_down_mma(
+                    scratch[r]["expert_act"], scratch[r]["route_ids"], scratch[r]["route_w"], words[r]["w2"],
+                    w[r].w2_scale, peer[r]["ar2"][r], self.tokens, cfg,
+                ),
+            )
+        else:
+            each_rank(
+                "expert_gate_up",
+                lambda r: launch_expert_gate_up(
+                    peer[r]["z"], scratch[r]["route_ids"], w[r].w1_packed, w[r].w1_scale, w[r].w3_packed,
+                    w[r].w3_scale, scratch[r]["expert_act"], geom, cfg,
+                ),
+            )
+            each_rank(
+                "expert_down",
+                lambda r: launch_expert_down(
+                    scratch[r]["expert_act"], scratch[r]["route_ids"], scratch[r]["route_w"], w[r].w2_packed,
+                    w[r].w2_scale, peer[r]["ar2"][r], geom, cfg,
+                ),
+            )
         out.append(("exchange ar2", lambda: self._exchange_slot("ar2")))
         each_rank(
             "latent_norm",

@@ -54,7 +54,12 @@ import triton
 from k3mono import mxfp4
 from k3mono.config import MXFP4_GROUP, preset
 from k3mono.errors import K3InputError
-from k3mono.kernels.experts import launch_expert_down, launch_expert_gate_up
+from k3mono.kernels.experts import (
+    launch_expert_down,
+    launch_expert_down_mma,
+    launch_expert_gate_up,
+    launch_expert_gate_up_mma,
+)
 from k3mono.kernels import experts as experts_mod
 from k3mono.kernels.mxfp4 import DEQUANT_IMAD, DEQUANT_SHIFT, launch_dequant
 from k3mono.kernels.route import launch_route
@@ -375,6 +380,59 @@ def test_experts(name, tp, tokens, coarse):
     assert_within(partial, spec.double(), PARTIAL_REL * size + act_gap * (1 + PARTIAL_REL), "latent_partial vs spec")
 
 
+MMA_CASES = [("tiny", 2, 3), ("tiny", 4, 1), ("small", 4, 2), ("small", 1, 1)]
+PRESCALE = 2.0**63  # kernels/mxfp4.py ACT_PRESCALE: the tensor-core stages' activations
+
+
+def prescaled(t: torch.Tensor) -> torch.Tensor:
+    return (t.double() * PRESCALE).to(torch.bfloat16)  # exact: a power of two
+
+
+@pytest.mark.parametrize("name,tp,tokens", MMA_CASES)
+def test_experts_on_tensor_cores(name, tp, tokens):
+    """The tensor-core stages (weights in mma order, activations times 2^63)
+    against the FMA stages' references: act within the same chained rounding,
+    the partial within the float64 sum's bound. tiny's L (3 groups) and I/T
+    (1 or 2 groups) leave most of a step's group columns empty."""
+    cfg, w = rank_weights(name, tp)
+    S, K, L = tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    I_r = cfg.moe_intermediate_size // tp
+    seed = seed_of("experts-mma", name, tp, tokens)
+    ids, route_w = random_routes(cfg, tokens, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    z = torch.randn(tokens, L, generator=g).to(torch.bfloat16)
+    words = {n: mxfp4.mma_order(getattr(w, f"{n}_packed")) for n in ("w1", "w3", "w2")}
+
+    act_flat, act = poisoned((S, K, I_r), torch.bfloat16, NAN)
+    launch_expert_gate_up_mma(prescaled(z), ids.to(torch.int32), words["w1"], w.w1_scale, words["w3"], w.w3_scale,
+                              act, S, cfg)
+    assert_guards(act_flat, NAN, "act_prescaled")
+    unscaled = (act.double() / PRESCALE).to(torch.bfloat16)
+    assert_act(unscaled, reference_act(cfg, w, z, ids))
+
+    partial_flat, partial = poisoned((S, L), torch.float32, NAN)
+    launch_expert_down_mma(act, ids.to(torch.int32), route_w, words["w2"], w.w2_scale, partial, S, cfg)
+    assert_guards(partial_flat, NAN, "latent_partial")
+    exact, size = down_terms(w, ids, route_w, unscaled.float())
+    assert_within(partial, exact, PARTIAL_REL * size, "latent_partial")
+
+
+def test_tensor_core_launchers_want_weights_in_mma_order():
+    cfg, w = rank_weights("tiny", 2)
+    S, K, L = 1, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    ids = torch.zeros(S, K, dtype=torch.int32)
+    act = torch.zeros(S, K, cfg.moe_intermediate_size // 2, dtype=torch.bfloat16)
+    z = torch.zeros(S, L, dtype=torch.bfloat16)
+    with pytest.raises(K3InputError, match="w1_packed.*int32"):  # the checkpoint's bytes, not mma order
+        launch_expert_gate_up_mma(z, ids, w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, act, S, cfg)
+    w2 = mxfp4.mma_order(w.w2_packed)
+    with pytest.raises(K3InputError, match="w2_scale"):
+        launch_expert_down_mma(act, ids, torch.zeros(S, K), w2, w.w1_scale, torch.zeros(S, L), S, cfg)
+    with pytest.raises(K3InputError, match="w2_packed"):  # mma order to the FMA stage
+        launch_expert_down(act, ids, torch.zeros(S, K), w2, w.w2_scale, torch.zeros(S, L), stage_geometry(cfg, 2, S),
+                           cfg)
+
+
 LOOKAHEAD_STEP_GROUPS = 2
 """MXFP4 groups an expert step loads in the lookahead test: the presets' loops
 then run several steps (tiny's gate/up 2, the last one ragged; small's 4 and 16)."""
@@ -436,6 +494,13 @@ _SM90_BUILDS = textwrap.dedent(
         # the IMAD placement holds: one IMAD a value places the nibble (not a shift pair)
         assert ops["IMAD"] >= values and ops["SHF"] < values / 2, (name, ops.most_common(8))
         print(name, round(len(loop) / values, 2))
+    for name, compiled, values in offline.expert_builds(cfg, 8, 1, mma=True):
+        usage = offline.resource_usage(compiled)
+        loop = max(offline.sass_loops(compiled), key=len)
+        ops = offline.opcode_counts(loop)
+        # the bf16 weight tile goes from registers to the warpgroup MMA, not through shared memory (16 B a store)
+        assert usage["stack"] == 0 and ops["HGMMA"] > 0 and 8 * ops["STS"] < values, (name, usage, ops.most_common(8))
+        print(name, "on tensor cores", round(len(loop) / values, 2))
     BULK = "cp.async.bulk.prefetch.L2.global"
     for mla in ("", "m1c"):  # a plain layer; an MLA layer with M1c and M1b folded in
         compiled, _ = offline.mono_build(cfg, 8, 1, loopback=False, mla=mla)
@@ -460,7 +525,8 @@ _SM90_BUILDS = textwrap.dedent(
 
 def test_sm90_builds_place_nibbles_with_imad_and_mono_fits_its_planned_ctas():
     """Offline Hopper builds (k3mono/offline.py, no GPU): the expert kernels' hot
-    loops place each nibble with one IMAD and do not spill; the mono kernel
+    loops place each nibble with one IMAD and do not spill, and the tensor-core
+    ones feed the warpgroup MMA from registers without spilling; the mono kernel
     compiles, plain and with M1c and M1b folded in, and its registers leave room
     for the CTAs a SM its grid is planned for; M1c alone fits two programs a SM
     without spilling; a trace build reads the global timer, waits can pause

@@ -19,11 +19,12 @@ import torch
 import triton
 
 from k3mono.config import preset
+from k3mono.mxfp4 import mma_order
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
                          MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, mono_key, peer_regions,
                          scratch_regions)
-from k3mono.planner import COL, MonoOptions, TaskKind, TileChoice
+from k3mono.planner import COL, MonoOptions, TaskKind, TileChoice, expert_mma_tile
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
@@ -390,6 +391,50 @@ def test_wider_hidden_tasks_stay_within_budget_and_loopback_pushes_the_same_tile
     assert runner._staged.geom == geometry
     for rank in range(tp):
         assert same_bits(runner.result(rank), runner._staged.result(rank)), f"rank {rank}: mono and staged differ"
+
+
+@pytest.mark.parametrize("tp,tokens", [(2, 3), (1, 16)], ids=["T2-S3", "T1-S16"])
+def test_experts_on_tensor_cores_stay_within_budget_and_match_staged(tp, tokens):
+    """TileChoice.expert_mma: the expert tasks on tensor cores (weights in mma
+    order, z pushed times 2^63) sum in another order, so the launch is held to
+    the reference's budget and routes; the staged path at the same tiles gives
+    its bits on every rank (loopback's pre-writes included)."""
+    cfg, layer = preset("tiny"), 13
+    shards = shard_all(layer_weights(), cfg, tp)
+    inputs = random_inputs(cfg, tokens, layer, seed=47 + tokens)
+    runner = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=TileChoice(expert_mma=True)))
+    got = runner(**inputs)
+    check_against_reference(cfg, shards, inputs, layer, got)
+    geometry = runner.compiled.table.geometry
+    L, I_r = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
+    assert (geometry.expert_gate_up, geometry.expert_down) == (expert_mma_tile(I_r), expert_mma_tile(L))
+    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
+    if tp == 1:
+        staged(**inputs)
+    for rank in range(tp):
+        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+
+
+def test_the_expert_weights_must_be_in_the_builds_order(mono_launches):
+    """A build with TileChoice.expert_mma reads int32 words in mma order; one
+    without, the checkpoint's bytes: either mixed up is named before any launch."""
+    from k3mono.mono import k2_launch
+
+    cfg, tokens, layer = preset("tiny"), 1, 13
+    for expert_mma in (False, True):
+        options = MonoOptions(tiles=TileChoice(expert_mma=expert_mma))
+        runner = MonoRunner(cfg, shard_all(layer_weights(), cfg, 1), tokens, layer, options=options)
+        runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=53))
+        rank = runner.rank_states[0]
+        args = dict(core=rank.core, prefix=rank.prefix, blocks=rank.blocks, **rank._args, out=rank.out,
+                    scratch=rank.scratch_buffer, peers=rank.peers, peer_table=rank._peer_table(), rank=0,
+                    epoch=rank.epoch_word, layer=layer, health=rank.health, alarm=rank.spin_limit)
+        k2_launch(rank.key, **args)
+        swapped = runner.shards[0].w2_packed if expert_mma else mma_order(runner.shards[0].w2_packed)
+        want = "torch.int32" if expert_mma else "torch.uint8"
+        with pytest.raises(K3InputError, match=rf"^w2: expected {want}"):
+            k2_launch(rank.key, **dict(args, w2=swapped))
+    assert len(mono_launches) == 2
 
 
 @pytest.mark.parametrize("bad,message", [

@@ -1,8 +1,10 @@
 """MXFP4 layout and rounding against hand-computed bytes and the spec in k3-math.md."""
 
+import pytest
 import torch
 
-from k3mono.mxfp4 import dequantize, e2m1_table, quantize
+from k3mono.errors import K3InputError
+from k3mono.mxfp4 import dequantize, e2m1_table, mma_order, quantize
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -83,3 +85,34 @@ def test_round_trip_error_within_half_a_grid_step():
     assert ((got - x).abs() / step)[inside].le(half_gap[inside]).all()
     # Beyond 6 it clips to +-6 units, keeping the sign.
     assert torch.equal(got[~inside], torch.sign(x[~inside]) * 6 * step[~inside])
+
+
+def test_mma_order_hand_computed_words():
+    # Bytes 0, 4, 8, 12 of a group hold elements (0, 1), (8, 9), (16, 17), (24, 25):
+    # word 0 takes their low nibbles (elements 0, 8, 16, 24) into nibbles 0..3 and
+    # their high nibbles (elements 1, 9, 17, 25) into nibbles 4..7.
+    packed = torch.zeros(1, 16, dtype=torch.uint8)
+    packed[0, 0], packed[0, 4], packed[0, 8], packed[0, 12] = 0x21, 0x43, 0x65, 0x87
+    packed[0, 3] = 0xF9  # word 3, nibbles 0 and 4
+    words = mma_order(packed)
+    assert words.dtype == torch.int32 and words.shape == (1, 4)
+    assert words[0].tolist() == [0x86427531 - (1 << 32), 0, 0, 0x000F0009]
+
+
+def test_mma_order_moves_each_element_to_its_fragment_nibble():
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (2, 3, 48), generator=g, dtype=torch.uint8)  # 3 groups a row
+    words = mma_order(packed).long() & 0xFFFFFFFF
+    elements = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+    for t in range(4):
+        for q in range(4):
+            for h in range(2):
+                nibble = (words[..., t::4] >> (4 * (q + 4 * h))) & 0xF
+                assert torch.equal(nibble, elements[..., 2 * t + 8 * q + h :: 32])
+
+
+def test_mma_order_rejects_other_layouts():
+    with pytest.raises(K3InputError, match="mma_order"):
+        mma_order(torch.zeros(2, 8, dtype=torch.uint8))  # 16 values a row: not whole groups
+    with pytest.raises(K3InputError, match="mma_order"):
+        mma_order(torch.zeros(2, 16, dtype=torch.int32))

@@ -31,6 +31,13 @@ nibble into an fp32 with three integer ops and one FFMA, and applies the
 scale once per group. Activations carry a 2^63 pre-scale that the finished
 dot gives back, which needs |activation| < 2^64: z is an O(1) latent and
 situ is bounded by beta * linear_beta = 100.
+
+The same two stages on tensor cores (``*_mma``; TileChoice.expert_mma):
+weights in mma order (k3mono.mxfp4.mma_order, int32 words), placed as bf16
+pairs straight into the tl.dot operand, the activations (z, act) times 2^63
+in memory and laid out block-diagonally so one dot gives each group's partial
+in its own column; the scales multiply that [ROWS, 16] tile once a step
+(kernels/mxfp4.py, "tensor-core placement").
 """
 
 from __future__ import annotations
@@ -41,13 +48,20 @@ import triton.language as tl
 
 from ..config import MXFP4_GROUP
 from ..errors import K3InputError, expect_tensor
-from .common import as_f32, situ, to_bf16
+from ..planner import expert_mma_tile
+from .common import UPCAST_DOT, as_f32, dot_acc, situ, to_bf16
 from .mxfp4 import (
+    ACT_PRESCALE,
     DEFAULT_DEQUANT,
+    MMA_N,
     OUT_RESCALE,
+    WORDS_PER_GROUP,
     act_pair_ptrs,
+    e2m1_mma_tile,
     e8m0_scale,
     load_act_pairs,
+    load_block_diagonal,
+    load_mma_tile,
     load_mxfp4_tile,
     mxfp4_group_dot,
     mxfp4_group_dot_pair,
@@ -55,6 +69,7 @@ from .mxfp4 import (
 
 GROUP = tl.constexpr(MXFP4_GROUP)  # inputs per E8M0 scale
 _PACKING = 2  # E2M1 values per packed byte
+_MMA_VALUES_PER_WORD = 8  # E2M1 values per int32 word of weights in mma order
 PACKING = tl.constexpr(_PACKING)
 # Steps whose loads are in flight at once. 1: each step's loads go straight
 # into registers (64 to 128 bytes of weights a thread); more stage them through
@@ -302,6 +317,164 @@ def _expert_down_kernel(
                      BLOCK_G, DEQUANT, STAGES, UNROLL, LOOKAHEAD)
 
 
+# -- the same stages on tensor cores (weights in mma order) -----------------------
+#
+# k3mono.mxfp4.mma_order puts each group's elements where an mma fragment wants
+# them; kernels/mxfp4.py e2m1_mma_tile places them as bf16 (E2M1 * 2^-126) and
+# load_block_diagonal lays a step's activations out one group a column, so
+# tl.dot returns every group's partial in its own column and the scales (route
+# weights too, for down) multiply a [ROWS, MMA_N] tile once a step. The
+# activations come times 2^63 (ACT_PRESCALE): z from the caller, and gate/up
+# writes its act so for down. Every product is exact (bf16 times bf16), sums are
+# fp32 in another association than the FMA loops': the same terms.
+
+
+@triton.jit
+def expert_gate_up_mma_task(
+    task,
+    z_ptr,  # bf16 [S, L]: z * 2^63
+    ids_ptr,  # int32 [S, K]
+    w1_ptr,  # i32 [E, I_R, L/8]: w1 in mma order
+    w1_scale_ptr,  # u8 [E, I_R, L/32]
+    w3_ptr,  # i32 [E, I_R, L/8]: w3 in mma order
+    w3_scale_ptr,  # u8 [E, I_R, L/32]
+    act_ptr,  # bf16 [S, K, I_R] out: act * 2^63
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,  # I/T
+    ROWS: tl.constexpr,  # intermediate rows per task
+    BLOCK_G: tl.constexpr,  # MXFP4 groups of a row per step, at most MMA_N
+    BETA: tl.constexpr,
+    LINEAR_BETA: tl.constexpr,
+    UPCAST: tl.constexpr,  # common.UPCAST_DOT
+):
+    """expert_gate_up_task on tensor cores: task = (pair s*K + j, tile of ROWS rows)."""
+    TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
+    G_ROW: tl.constexpr = L // GROUP
+    pair = task // TILES
+    tile = task % TILES
+    token = pair // K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    w1 = w1_ptr + expert * (I_R * G_ROW * WORDS_PER_GROUP)
+    w3 = w3_ptr + expert * (I_R * G_ROW * WORDS_PER_GROUP)
+    w1_scale = w1_scale_ptr + expert * (I_R * G_ROW)
+    w3_scale = w3_scale_ptr + expert * (I_R * G_ROW)
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < I_R
+    column = tl.arange(0, MMA_N)
+    inputs = tl.arange(0, BLOCK_G * GROUP)
+    gate = tl.zeros((ROWS, MMA_N), tl.float32)
+    up = tl.zeros((ROWS, MMA_N), tl.float32)
+    for g0 in tl.range(0, G_ROW, BLOCK_G):
+        groups = g0 + tl.arange(0, BLOCK_G)
+        scale_groups = g0 + column
+        scale_ok = (column < BLOCK_G) & (scale_groups < G_ROW)
+        words1, scales1 = load_mma_tile(w1, w1_scale, groups, groups < G_ROW, scale_groups, scale_ok, rows, row_ok,
+                                        G_ROW)
+        words3, scales3 = load_mma_tile(w3, w3_scale, groups, groups < G_ROW, scale_groups, scale_ok, rows, row_ok,
+                                        G_ROW)
+        k = g0 * GROUP + inputs
+        z_diag = load_block_diagonal(z_ptr + token * L + k, k < L)
+        no_sum = tl.zeros((ROWS, MMA_N), tl.float32)
+        gate += dot_acc(e2m1_mma_tile(words1), z_diag, no_sum, UPCAST) * e8m0_scale(scales1)
+        up += dot_acc(e2m1_mma_tile(words3), z_diag, no_sum, UPCAST) * e8m0_scale(scales3)
+    g = to_bf16(tl.sum(gate, axis=1) * OUT_RESCALE)
+    u = to_bf16(tl.sum(up, axis=1) * OUT_RESCALE)
+    act = to_bf16(as_f32(to_bf16(situ(as_f32(g), as_f32(u), BETA, LINEAR_BETA))) * ACT_PRESCALE)
+    tl.store(act_ptr + pair * I_R + rows, act, mask=row_ok)
+
+
+@triton.jit
+def expert_down_mma_task(
+    task,
+    act_ptr,  # bf16 [S, K, I_R]: act * 2^63 (expert_gate_up_mma_task)
+    ids_ptr,  # int32 [S, K]
+    route_w_ptr,  # fp32 [S, K]
+    w2_ptr,  # i32 [E, L, I_R/8]: w2 in mma order
+    w2_scale_ptr,  # u8 [E, L, I_R/32]
+    out_ptr,  # fp32 [S, L] out: this rank's latent partial
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,  # I/T
+    ROWS: tl.constexpr,  # latent rows per task
+    BLOCK_G: tl.constexpr,  # (slot, group) columns per step, at most MMA_N
+    UPCAST: tl.constexpr,  # common.UPCAST_DOT
+):
+    """expert_down_task on tensor cores: task = (token, tile of ROWS latent
+    rows); the K experts' inputs one row of K * I_R/32 group columns, each
+    with its own expert's weights, activations and route weight."""
+    TILES: tl.constexpr = triton.cdiv(L, ROWS)
+    G_ROW: tl.constexpr = I_R // GROUP
+    COLS: tl.constexpr = K * G_ROW
+    token = task // TILES
+    tile = task % TILES
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < L
+    column = tl.arange(0, MMA_N)
+    inputs = tl.arange(0, BLOCK_G * GROUP)
+    acc = tl.zeros((ROWS, MMA_N), tl.float32)
+    for c0 in tl.range(0, COLS, BLOCK_G):
+        cols = c0 + tl.arange(0, BLOCK_G)
+        col_ok = cols < COLS
+        # int64: E * L * I_R/2 bytes passes 2^31 at TP1.
+        expert = tl.load(ids_ptr + token * K + cols // G_ROW, mask=col_ok, other=0).to(tl.int64)
+        scale_cols = c0 + column
+        scale_ok = (column < BLOCK_G) & (scale_cols < COLS)
+        scale_pair = token * K + scale_cols // G_ROW
+        scale_expert = tl.load(ids_ptr + scale_pair, mask=scale_ok, other=0).to(tl.int64)
+        words, scales = load_mma_tile((w2_ptr + expert * (L * G_ROW * WORDS_PER_GROUP))[None, :],
+                                      (w2_scale_ptr + scale_expert * (L * G_ROW))[None, :], cols % G_ROW, col_ok,
+                                      scale_cols % G_ROW, scale_ok, rows, row_ok, G_ROW)
+        input_col = c0 + inputs // GROUP
+        act_diag = load_block_diagonal(act_ptr + (token * K + input_col // G_ROW) * I_R + (input_col % G_ROW) * GROUP
+                                       + inputs % GROUP, input_col < COLS)
+        weight = tl.load(route_w_ptr + scale_pair, mask=scale_ok, other=0.0)
+        part = dot_acc(e2m1_mma_tile(words), act_diag, tl.zeros((ROWS, MMA_N), tl.float32), UPCAST)
+        acc += part * (e8m0_scale(scales) * weight[None, :])
+    tl.store(out_ptr + token * L + rows, tl.sum(acc, axis=1) * OUT_RESCALE, mask=row_ok)
+
+
+@triton.jit
+def _expert_gate_up_mma_kernel(
+    z_ptr,  # bf16 [S, L]: z * 2^63
+    ids_ptr,  # int32 [S, K]
+    w1_ptr,  # i32 [E, I_R, L/8]
+    w1_scale_ptr,  # u8 [E, I_R, L/32]
+    w3_ptr,  # i32 [E, I_R, L/8]
+    w3_scale_ptr,  # u8 [E, I_R, L/32]
+    act_ptr,  # bf16 [S, K, I_R] out: act * 2^63
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BETA: tl.constexpr,
+    LINEAR_BETA: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    expert_gate_up_mma_task(tl.program_id(0), z_ptr, ids_ptr, w1_ptr, w1_scale_ptr, w3_ptr, w3_scale_ptr, act_ptr, K,
+                            L, I_R, ROWS, BLOCK_G, BETA, LINEAR_BETA, UPCAST)
+
+
+@triton.jit
+def _expert_down_mma_kernel(
+    act_ptr,  # bf16 [S, K, I_R]: act * 2^63
+    ids_ptr,  # int32 [S, K]
+    route_w_ptr,  # fp32 [S, K]
+    w2_ptr,  # i32 [E, L, I_R/8]
+    w2_scale_ptr,  # u8 [E, L, I_R/32]
+    out_ptr,  # fp32 [S, L] out
+    K: tl.constexpr,
+    L: tl.constexpr,
+    I_R: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    expert_down_mma_task(tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R,
+                         ROWS, BLOCK_G, UPCAST)
+
+
 # -- launchers -------------------------------------------------------------------
 
 
@@ -311,21 +484,57 @@ def _check_contiguous(stage: str, **tensors) -> None:
             raise ValueError(f"{stage}: {name} must be contiguous")
 
 
-def _expert_shapes(cfg, w_packed, w_scale, rows: int, cols: int, name: str) -> None:
+def _values_per_element(w_packed) -> int:
+    """MXFP4 values an element holds: 8 an int32 word (k3mono.mxfp4.mma_order), 2 a byte."""
+    return _MMA_VALUES_PER_WORD if w_packed.dtype == torch.int32 else _PACKING
+
+
+def _expert_shapes(cfg, w_packed, w_scale, rows: int, cols: int, name: str, mma: bool) -> None:
     E = cfg.num_experts
-    expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _PACKING), torch.uint8)
+    if mma:
+        if w_packed.dtype != torch.int32:
+            raise K3InputError(f"{name}_packed: expected int32 words in mma order (k3mono.mxfp4.mma_order), "
+                               f"got {w_packed.dtype}")
+        expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _MMA_VALUES_PER_WORD), torch.int32)
+    else:
+        expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _PACKING), torch.uint8)
     expect_tensor(f"{name}_scale", w_scale, (E, rows, cols // MXFP4_GROUP), torch.uint8)
 
 
 def _rank_intermediate(cfg, name: str, tensor, dim: int) -> int:
     """I/T, read off the shard (the launchers take no T): whole MXFP4 groups dividing I."""
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
-        raise K3InputError(f"{name}: expected a 3-d tensor [E, rows, cols/2] uint8")
-    i_r = tensor.shape[dim] * (_PACKING if dim == 2 else 1)
+        raise K3InputError(f"{name}: expected a 3-d tensor [E, rows, cols/2] uint8 (or [E, rows, cols/8] int32 "
+                           "in mma order)")
+    i_r = tensor.shape[dim] * (_values_per_element(tensor) if dim == 2 else 1)
     I = cfg.moe_intermediate_size
     if i_r <= 0 or i_r % MXFP4_GROUP or I % i_r:
         raise K3InputError(f"{name}: {i_r} intermediate values per rank is not I/T in whole groups (I = {I})")
     return i_r
+
+
+def _gate_up_shapes(cfg, z, route_ids, w1_packed, w1_scale, w3_packed, w3_scale, expert_act, S: int, mma: bool) -> int:
+    """Checks the gate/up stage's tensors; returns I/T."""
+    K, L = cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    I_R = _rank_intermediate(cfg, "w1_packed", w1_packed, 1)
+    expect_tensor("z", z, (S, L), torch.bfloat16)
+    expect_tensor("route_ids", route_ids, (S, K), torch.int32)
+    _expert_shapes(cfg, w1_packed, w1_scale, I_R, L, "w1", mma)
+    _expert_shapes(cfg, w3_packed, w3_scale, I_R, L, "w3", mma)
+    expect_tensor("expert_act", expert_act, (S, K, I_R), torch.bfloat16)
+    return I_R
+
+
+def _down_shapes(cfg, expert_act, route_ids, route_w, w2_packed, w2_scale, latent_partial, S: int, mma: bool) -> int:
+    """Checks the down stage's tensors; returns I/T."""
+    K, L = cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    I_R = _rank_intermediate(cfg, "w2_packed", w2_packed, 2)
+    expect_tensor("expert_act", expert_act, (S, K, I_R), torch.bfloat16)
+    expect_tensor("route_ids", route_ids, (S, K), torch.int32)
+    expect_tensor("route_w", route_w, (S, K), torch.float32)
+    _expert_shapes(cfg, w2_packed, w2_scale, L, I_R, "w2", mma)
+    expect_tensor("latent_partial", latent_partial, (S, L), torch.float32)
+    return I_R
 
 
 def _block_groups(tile) -> int:
@@ -349,12 +558,7 @@ def launch_expert_gate_up(
 ) -> None:
     """z [S, L] bf16, route_ids [S, K] int32, w1/w3 shards -> expert_act [S, K, I/T] bf16."""
     S, K, L = geom.tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
-    I_R = _rank_intermediate(cfg, "w1_packed", w1_packed, 1)
-    expect_tensor("z", z, (S, L), torch.bfloat16)
-    expect_tensor("route_ids", route_ids, (S, K), torch.int32)
-    _expert_shapes(cfg, w1_packed, w1_scale, I_R, L, "w1")
-    _expert_shapes(cfg, w3_packed, w3_scale, I_R, L, "w3")
-    expect_tensor("expert_act", expert_act, (S, K, I_R), torch.bfloat16)
+    I_R = _gate_up_shapes(cfg, z, route_ids, w1_packed, w1_scale, w3_packed, w3_scale, expert_act, S, mma=False)
     _check_contiguous(
         "launch_expert_gate_up",
         z=z,
@@ -395,12 +599,7 @@ def launch_expert_down(
 ) -> None:
     """expert_act [S, K, I/T] bf16, routes, w2 shard -> latent_partial [S, L] fp32 (unrounded)."""
     S, K, L = geom.tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
-    I_R = _rank_intermediate(cfg, "w2_packed", w2_packed, 2)
-    expect_tensor("expert_act", expert_act, (S, K, I_R), torch.bfloat16)
-    expect_tensor("route_ids", route_ids, (S, K), torch.int32)
-    expect_tensor("route_w", route_w, (S, K), torch.float32)
-    _expert_shapes(cfg, w2_packed, w2_scale, L, I_R, "w2")
-    expect_tensor("latent_partial", latent_partial, (S, L), torch.float32)
+    I_R = _down_shapes(cfg, expert_act, route_ids, route_w, w2_packed, w2_scale, latent_partial, S, mma=False)
     _check_contiguous(
         "launch_expert_down",
         expert_act=expert_act,
@@ -430,3 +629,35 @@ def launch_expert_down(
         LOOKAHEAD=tile.lookahead,
         num_warps=tile.warps,
     )
+
+
+def launch_expert_gate_up_mma(z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, tokens,
+                              cfg) -> None:
+    """The gate/up stage on tensor cores: z * 2^63 [S, L] bf16, route_ids [S, K]
+    int32, w1/w3 in mma order (k3mono.mxfp4.mma_order: int32 [E, I/T, L/8]) and
+    their scales -> act * 2^63 [S, K, I/T] bf16 (exact: launch_expert_down_mma's input)."""
+    S, K, L = tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    I_R = _gate_up_shapes(cfg, z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, S,
+                          mma=True)
+    _check_contiguous("launch_expert_gate_up_mma", z_prescaled=z_prescaled, route_ids=route_ids, w1_words=w1_words,
+                      w1_scale=w1_scale, w3_words=w3_words, w3_scale=w3_scale, act_prescaled=act_prescaled)
+    tile = expert_mma_tile(I_R)
+    _expert_gate_up_mma_kernel[(S * K * triton.cdiv(I_R, tile.rows),)](
+        z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, K=K, L=L, I_R=I_R,
+        ROWS=tile.rows, BLOCK_G=_block_groups(tile), BETA=cfg.situ_beta, LINEAR_BETA=cfg.situ_linear_beta,
+        UPCAST=UPCAST_DOT, num_warps=tile.warps)
+
+
+def launch_expert_down_mma(act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, tokens,
+                           cfg) -> None:
+    """The down stage on tensor cores: act * 2^63 [S, K, I/T] bf16
+    (launch_expert_gate_up_mma's output), routes, w2 in mma order (int32
+    [E, L, I/T/8]) and its scales -> latent_partial [S, L] fp32 (unrounded)."""
+    S, L = tokens, cfg.routed_expert_hidden_size
+    I_R = _down_shapes(cfg, act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, S, mma=True)
+    _check_contiguous("launch_expert_down_mma", act_prescaled=act_prescaled, route_ids=route_ids, route_w=route_w,
+                      w2_words=w2_words, w2_scale=w2_scale, latent_partial=latent_partial)
+    tile = expert_mma_tile(L)
+    _expert_down_mma_kernel[(S * triton.cdiv(L, tile.rows),)](
+        act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, K=cfg.num_experts_per_token, L=L,
+        I_R=I_R, ROWS=tile.rows, BLOCK_G=_block_groups(tile), UPCAST=UPCAST_DOT, num_warps=tile.warps)

@@ -65,14 +65,15 @@ import triton
 import triton.language as tl
 
 from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query
-from .common import INTERPRET, as_f32
-from .experts import GROUP, expert_down_task, expert_gate_up_task
+from .common import INTERPRET, as_f32, to_bf16
+from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
 from .final import final_task
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
 from .gemv import store_rows
 from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
+from .mxfp4 import ACT_PRESCALE
 from .oproj import oproj_task
 from .reduce import final_reduce_chunk, reduce_prefix_chunk
 from .route import route_merge_task, route_part_task
@@ -138,6 +139,12 @@ def _prefetch_l2(
             "{ .reg .pred lead; .reg .u32 tid; mov.u32 tid, %tid.x; setp.eq.u32 lead, tid, 0; "
             "@lead cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [first, (end - first).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _bytes(w_ptr):
+    """A packed MXFP4 weight as bytes (its int32 words in mma order, or already bytes)."""
+    return w_ptr.to(tl.pointer_type(tl.uint8))
 
 
 @triton.jit
@@ -266,10 +273,13 @@ def latent_down_push_task(
     USE_DOT: tl.constexpr,
     LD_EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRESCALE: tl.constexpr,  # push z * 2^63 (exact), as the tensor-core expert tasks take it
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
     zt = latent_down_task(tile, x_ptr, H, w_ld_ptr, H, S, L_R, H, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST)
+    if PRESCALE:
+        zt = to_bf16(as_f32(zt) * ACT_PRESCALE)
     _push_rows(peer_table_ptr, slot, L, zt, tile * LD_ROWS, S, L_R, SP, LD_ROWS, NP, tl.bfloat16)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
@@ -311,7 +321,7 @@ def expert_down_push_task(
     act_ptr,  # bf16 [S, K, I/T]
     ids_ptr,  # int32 [S, K]
     rw_ptr,  # fp32 [S, K]
-    w2_ptr,  # u8 [E, L, I/(2T)]
+    w2_ptr,  # u8 [E, L, I/(2T)], or i32 [E, L, I/(8T)] in mma order
     w2s_ptr,  # u8 [E, L, I/(32T)]
     own_f32,  # fp32 view of the rank's own peer buffer
     peer_table_ptr,  # int64 [NP]
@@ -324,13 +334,19 @@ def expert_down_push_task(
     DN_BG: tl.constexpr,
     LOOKAHEAD: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
+    MMA: tl.constexpr,  # expert_down_mma_task (w2 in mma order, act * 2^63)
+    UPCAST: tl.constexpr,
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
     """expert_down_task stores its tile into the own slot; with NP > 1 the CTA
     then copies those rows to every peer's before raising."""
-    expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32 + slot,
-                     KTOP, L, I_R, DN_ROWS, DN_BG, LOOKAHEAD=LOOKAHEAD, EVICT_FIRST=EVICT_FIRST)
+    if MMA:
+        expert_down_mma_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr,
+                             own_f32 + slot, KTOP, L, I_R, DN_ROWS, DN_BG, UPCAST)
+    else:
+        expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32 + slot,
+                         KTOP, L, I_R, DN_ROWS, DN_BG, LOOKAHEAD=LOOKAHEAD, EVICT_FIRST=EVICT_FIRST)
     if NP > 1:
         tl.debug_barrier()
         rows = tile * DN_ROWS + tl.arange(0, DN_ROWS)
@@ -488,11 +504,11 @@ def _mono_kernel(
     w_sg_ptr,  # bf16 [SI/T, H]
     w_su_ptr,  # bf16 [SI/T, H]
     w_sd_ptr,  # bf16 [H, SI/T]
-    w1_ptr,  # u8 [E, I/T, L/2]
+    w1_ptr,  # u8 [E, I/T, L/2], or i32 [E, I/T, L/8] in mma order (EXPERT_MMA)
     w1s_ptr,  # u8 [E, I/T, L/32]
     w3_ptr,
     w3s_ptr,
-    w2_ptr,  # u8 [E, L, I/(2T)]
+    w2_ptr,  # u8 [E, L, I/(2T)], or i32 [E, L, I/(8T)] in mma order (EXPERT_MMA)
     w2s_ptr,  # u8 [E, L, I/(32T)]
     ln_w_ptr,  # bf16 [L]
     w_up_ptr,  # bf16 [H, L/T]
@@ -552,6 +568,7 @@ def _mono_kernel(
     DN_BG: tl.constexpr,
     EXPERT_LOOKAHEAD: tl.constexpr,
     EXPERT_EVICT_FIRST: tl.constexpr,  # planner.MonoOptions.expert_evict_first
+    EXPERT_MMA: tl.constexpr,  # planner.TileChoice.expert_mma: w1/w3/w2 in mma order, z pushed * 2^63
     VB: tl.constexpr,
     CANDS: tl.constexpr,
     CP: tl.constexpr,  # the seam partials' candidate extent (>= CANDS)
@@ -667,14 +684,14 @@ def _mono_kernel(
                     _prefetch_rows(w_sd_ptr, start, stop, H, SI_R)
                 elif kind == K_EXPERT_GU:
                     ex = tl.load(ids_ptr + token * KTOP + slot).to(tl.int64)
-                    _prefetch_rows(w1_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2)
-                    _prefetch_rows(w3_ptr + ex * (I_R * L // 2), start, stop, I_R, L // 2)
+                    _prefetch_rows(_bytes(w1_ptr) + ex * (I_R * L // 2), start, stop, I_R, L // 2)
+                    _prefetch_rows(_bytes(w3_ptr) + ex * (I_R * L // 2), start, stop, I_R, L // 2)
                     _prefetch_rows(w1s_ptr + ex * (I_R * L // GROUP), start, stop, I_R, L // GROUP)
                     _prefetch_rows(w3s_ptr + ex * (I_R * L // GROUP), start, stop, I_R, L // GROUP)
                 elif kind == K_EXPERT_DOWN:
                     for j in tl.static_range(KTOP):
                         ex = tl.load(ids_ptr + token * KTOP + j).to(tl.int64)
-                        _prefetch_rows(w2_ptr + ex * (L * I_R // 2), start, stop, L, I_R // 2)
+                        _prefetch_rows(_bytes(w2_ptr) + ex * (L * I_R // 2), start, stop, L, I_R // 2)
                         _prefetch_rows(w2s_ptr + ex * (L * I_R // GROUP), start, stop, L, I_R // GROUP)
 
         # (3) the other waits, in table order
@@ -724,7 +741,7 @@ def _mono_kernel(
                                  H, E, E_R, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
                 latent_down_push_task(tile, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R, FLAG_I + rword, S,
-                                      H, L, L_R, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST, NP, SCOPE)
+                                      H, L, L_R, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST, EXPERT_MMA, NP, SCOPE)
             elif kind == K_SHARED_GU:
                 shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
@@ -737,14 +754,18 @@ def _mono_kernel(
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_GU:
                 gu_task = (token * KTOP + slot) * tl.cdiv(I_R, GU_ROWS) + tile
-                expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr,
-                                    KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA, LOOKAHEAD=EXPERT_LOOKAHEAD,
-                                    EVICT_FIRST=EXPERT_EVICT_FIRST)
+                if EXPERT_MMA:
+                    expert_gate_up_mma_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,
+                                            act_ptr, KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA, UPCAST)
+                else:
+                    expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,
+                                        act_ptr, KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA,
+                                        LOOKAHEAD=EXPERT_LOOKAHEAD, EVICT_FIRST=EXPERT_EVICT_FIRST)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_DOWN:
                 expert_down_push_task(token, tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32, peer_table_ptr,
                                       pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, DN_ROWS, DN_BG,
-                                      EXPERT_LOOKAHEAD, EXPERT_EVICT_FIRST, NP, SCOPE)
+                                      EXPERT_LOOKAHEAD, EXPERT_EVICT_FIRST, EXPERT_MMA, UPCAST, NP, SCOPE)
             elif kind == K_PREFETCH_FINAL:
                 _prefetch_rows(w_up_ptr, start, stop, H, L_R)
                 _prefetch_rows(w_sd_ptr, start, stop, H, SI_R)

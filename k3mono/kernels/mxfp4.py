@@ -297,6 +297,109 @@ def mxfp4_group_dot_pair(words_a, words_b, acts, DEQUANT: tl.constexpr = DEFAULT
     return tl.sum(part_a, axis=2), tl.sum(part_b, axis=2)
 
 
+# -- tensor-core placement: bf16 pairs for tl.dot -----------------------------------
+#
+# Weights in mma order (k3mono.mxfp4.mma_order: word t of a group holds its
+# elements 2t + 8q + h in nibble q + 4h). The pair masks above leave nibbles q
+# and q + 4 of a word alone, 16 bits apart; one multiply copies each into a
+# bf16 half, sign to bit 15 (31) and the other three bits to 8..6 (24..22):
+# exponent field = the nibble's two exponent bits, top mantissa bit = its
+# mantissa bit, so each half is E2M1 * 2^-126 as in the fp32 placement (field
+# 0 gives the bf16 subnormal 0.5 * 2^-126, or zero). Two ops (IMAD, LOP3) a
+# bf16 pair, five a word for the masks. The pair (low, high) is elements
+# (2t + 8q, 2t + 8q + 1) of the group: the register pair an mma fragment holds,
+# so the tile reaches tl.dot without a layout change (offline sm_90a builds:
+# no shared-memory round trip in the loop, tests/test_kernels_moe.py).
+#
+# Per-group scales cannot ride on a dot over many groups, so a step's
+# activations are laid out block-diagonally (load_block_diagonal): column j
+# holds group j's inputs only, one tl.dot gives every group's partial in its
+# own column, and the [rows, MMA_N] result is multiplied by the scales once.
+# The activations come pre-scaled by 2^63 (ACT_PRESCALE, exact in bf16) from
+# memory, so the operand needs no register pass: the products (E2M1 * 2^-126
+# times a * 2^63) stay in the fp32 normal range, and the finished dot gives
+# the 2^63 back (OUT_RESCALE).
+
+MMA_N = tl.constexpr(16)  # tl.dot's least N: the block-diagonal activations' columns, a step's groups at most
+BF16X2_PLACE_MASK = tl.constexpr(0x81C081C0 - (1 << 32))  # each half: sign, exponent bits 1..0, mantissa bit 6
+BF16X2_COPIES_EVEN = tl.constexpr((1 << 12) + (1 << 6))  # nibbles at bits 0 and 16: bit 3 -> 15, bits 2..0 -> 8..6
+BF16X2_COPIES_ODD = tl.constexpr((1 << 8) + (1 << 2))  # nibbles at bits 4 and 20
+HALF_BITS = tl.constexpr(16)
+
+
+@triton.jit
+def _bf16_halves(pair_word):
+    """int32 holding two bf16 bit patterns -> [..., 2] bf16 (low half first)."""
+    low = pair_word.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    high = (pair_word >> HALF_BITS).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.join(low, high)
+
+
+@triton.jit
+def _bf16_pair(words, Q: tl.constexpr):
+    """Nibbles Q and Q + 4 of every mma-order word as [..., 2] bf16 (E2M1 * 2^-126)."""
+    masked = e2m1_pair_word(words, Q)
+    if Q % 2 == 0:
+        placed = (masked * BF16X2_COPIES_EVEN) & BF16X2_PLACE_MASK
+    else:
+        placed = (masked * BF16X2_COPIES_ODD) & BF16X2_PLACE_MASK
+    return _bf16_halves(placed)
+
+
+@triton.jit
+def e2m1_mma_tile(words):
+    """words [R, G, 4] int32 in mma order -> bf16 [R, G * 32]: E2M1 * 2^-126,
+    the groups' elements in their natural order (a tl.dot operand)."""
+    R: tl.constexpr = words.shape[0]
+    G: tl.constexpr = words.shape[1]
+    # q = 2 qa + qb; the joins append qb, then qa: [R, G, t, h, qb, qa]
+    quads = tl.join(tl.join(_bf16_pair(words, 0), _bf16_pair(words, 1)),
+                    tl.join(_bf16_pair(words, 2), _bf16_pair(words, 3)))
+    # element 8q + 2t + h of its group
+    return tl.reshape(tl.permute(quads, (0, 1, 5, 4, 2, 3)), (R, G * GROUP))
+
+
+@triton.jit
+def load_mma_tile(
+    words_base,  # i32 * (scalar, or [1, G] per group column): row 0 of the column's [rows, G_ROW * 4] words
+    scale_base,  # u8 * (scalar, or [1, MMA_N]): row 0 of its [rows, G_ROW] scales
+    groups,  # [G] int32: each column's group within a row
+    col_ok,  # [G] bool
+    scale_groups,  # [MMA_N] int32: the same columns, then any (masked)
+    scale_ok,  # [MMA_N] bool: col_ok, then False
+    rows,  # [R] int32
+    row_ok,  # [R] bool
+    G_ROW: tl.constexpr,  # groups per row (inputs / 32)
+):
+    """-> words [R, G, 4] int32 (zeros where masked), scales [R, MMA_N] uint8
+    (zeros where masked: a zero factor for the empty columns)."""
+    word = tl.arange(0, WORDS_PER_GROUP)
+    index = rows[:, None] * G_ROW + groups[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    words = tl.load((words_base + index * WORDS_PER_GROUP)[:, :, None] + word[None, None, :], mask=ok[:, :, None],
+                    other=0)
+    scales = tl.load(scale_base + rows[:, None] * G_ROW + scale_groups[None, :],
+                     mask=row_ok[:, None] & scale_ok[None, :], other=0)
+    return words, scales
+
+
+@triton.jit
+def load_block_diagonal(
+    act_ptrs,  # bf16 * [G * 32]: a step's activations, group-major
+    act_ok,  # [G * 32] bool
+):
+    """-> [G * 32, MMA_N] bf16: column j holds group j's 32 activations and
+    zeros elsewhere (G <= MMA_N; columns G.. all zero). Loaded K-major and
+    transposed: each group's 64 bytes are whole 16-byte copies or skipped, so the
+    loop's pipeliner fills the operand with async copies, no register pass."""
+    K_STEP: tl.constexpr = act_ptrs.shape[0]
+    tl.static_assert(K_STEP <= MMA_N * GROUP)
+    group = tl.arange(0, K_STEP) // GROUP
+    column = tl.arange(0, MMA_N)
+    on_diagonal = (group[None, :] == column[:, None]) & act_ok[None, :]
+    return tl.trans(tl.load(act_ptrs[None, :] + 0 * column[:, None], mask=on_diagonal, other=0.0))
+
+
 @triton.jit
 def _dequant_kernel(
     packed_ptr,  # u8 [R, C/2]
