@@ -38,9 +38,21 @@ def expert_bytes(cfg, tp: int, unique_experts: float) -> dict:
 
 
 PRESCALE = 2.0**63  # kernels/mxfp4.py ACT_PRESCALE
-ACT_ULPS = 2  # bf16 steps an act may move (fp32 sums in another order; tests/test_kernels_moe.py)
+# tests/test_kernels_moe.py's bounds: an act may move by 2 bf16 steps (fp32 sums in another order),
+# on at most 1 % of the elements, or by any steps below 1e-5 of its row's RMS (a value that cancelled)
+ACT_ULPS = 2
 ACT_OFF_FRACTION = 0.01
+CANCEL_REL = 1e-5
 PARTIAL_REL = 1e-3  # of the partial's largest magnitude: the act flips above carry on
+
+
+def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps (sign-magnitude bits made monotone)."""
+    def key(t):
+        bits = t.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits & 0x7FFF)
+
+    return (key(a) - key(b)).abs()
 
 
 def mma_stages(cfg, layer, shard, tokens: int) -> dict:
@@ -67,14 +79,17 @@ def check_mma(layer, stages: dict) -> None:
     stages["expert_down"]()
     want_act = layer.scratch[0]["expert_act"]
     act = (stages["act"].float() / PRESCALE).to(torch.bfloat16)
-    ulps = (act.view(torch.int16).int() - want_act.view(torch.int16).int()).abs()
-    off = int((ulps > 0).sum())
+    steps = bf16_steps(act, want_act)
+    off = int((steps > 0).sum())
+    rms = want_act.float().pow(2).mean(dim=-1, keepdim=True).sqrt()
+    far = (act.float() - want_act.float()).abs() > CANCEL_REL * rms
+    worst = int(steps[far].max()) if far.any() else 0
     want_partial = layer.peer[0]["ar2"][0]
     partial_err = float((stages["partial"] - want_partial).abs().max() / want_partial.abs().max())
-    if off > ACT_OFF_FRACTION * act.numel() + 1 or int(ulps.max()) > ACT_ULPS or partial_err > PARTIAL_REL:
+    if off > ACT_OFF_FRACTION * act.numel() + 1 or worst > ACT_ULPS or partial_err > PARTIAL_REL:
         raise SystemExit(f"tensor-core stages disagree with the FMA stages: act {off} of {act.numel()} elements off, "
-                         f"at most {int(ulps.max())} steps; partial {partial_err:.2e} of its largest")
-    print(f"  tensor-core stages agree: act {off} of {act.numel()} elements off by 1..{int(ulps.max())} steps, "
+                         f"at most {worst} steps; partial {partial_err:.2e} of its largest")
+    print(f"  tensor-core stages agree: act {off} of {act.numel()} elements off, at most {worst} steps; "
           f"partial {partial_err:.1e}", flush=True)
 
 

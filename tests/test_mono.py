@@ -19,11 +19,11 @@ import torch
 import triton
 
 from k3mono.config import preset
-from k3mono.mxfp4 import mma_order
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
                          MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, mono_key, peer_regions,
                          scratch_regions)
+from k3mono.mxfp4 import mma_order
 from k3mono.planner import COL, MonoOptions, TaskKind, TileChoice, expert_mma_tile
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
