@@ -10,8 +10,9 @@ SM holds (its grid is planned for DEFAULT_CTAS_PER_SM; CTAs past what fits
 wait for a whole earlier CTA to end). For the expert kernels: the same, and
 their hot loop's SASS: instructions a weight value, by opcode. With
 --expert-mma: the mono build with TileChoice.expert_mma and the expert
-kernels on tensor cores (weights in mma order). With --m1c-alone: M1c launched alone (fp8 and bf16 cache), its context loop's
-instructions a step, the shared-memory and tensor-core ones by opcode.
+kernels on tensor cores (weights in mma order). With --m1c-alone: M1c
+launched alone (fp8 and bf16 cache), its context loop's instructions a
+step, the shared-memory and tensor-core ones by opcode.
 """
 
 from __future__ import annotations
