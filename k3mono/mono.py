@@ -77,7 +77,7 @@ import torch
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
-from .mxfp4 import mma_order
+from .mxfp4 import MmaOrderCache
 from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
                       next_pow2, plan, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
@@ -621,11 +621,11 @@ def peer_address_table(peers, device) -> torch.Tensor:
     return torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
 
 
-def launch_args(w: LayerWeights, expert_mma: bool = False) -> dict:
-    """The seed's weight argument names for a rank's shard; ``expert_mma``
-    (TileChoice.expert_mma): w13 and w2 in mma order (k3mono.mxfp4.mma_order,
-    made here once: hold the result, not the shard, across launches)."""
-    order = mma_order if expert_mma else (lambda packed: packed)
+def launch_args(w: LayerWeights, expert_words: MmaOrderCache | None = None) -> dict:
+    """The seed's weight argument names for a rank's shard; with ``expert_words``
+    (TileChoice.expert_mma) w13 and w2 in mma order (k3mono.mxfp4.mma_order),
+    taken from that cache: hold the result, not the shard, across launches."""
+    order = expert_words if expert_words is not None else (lambda packed: packed)
     return dict(
         w_o=w.o_proj, ares_nw=w.ares_norm, ares_qk=w.ares_proj, in_nw=w.post_norm, w_gate=w.router,
         bias=w.router_bias, w_ld=w.latent_down, w_sgu=(w.shared_gate, w.shared_up), w_sd=w.shared_down,
@@ -664,7 +664,7 @@ class MonoRank:
     agree): ``reset()`` zeroes them, on every rank of the group at once."""
 
     def __init__(self, key: MonoBuild, shard: LayerWeights, rank: int, own: torch.Tensor, peers, *, layer: int,
-                 spin_limit: int, device):
+                 spin_limit: int, device, expert_words: MmaOrderCache | None = None):
         from .kernels.sync import HEALTH_WORDS
 
         self.key, self.compiled, self.rank, self.layer = key, build(key), rank, layer
@@ -687,7 +687,9 @@ class MonoRank:
         self.symmetric_handle = None  # keeps a symmetric-memory mapping of the peers alive
         self._table, self._table_for = None, None
         self._peer_table()  # made here, so that even a first launch may be captured in a CUDA graph
-        self._args = launch_args(shard, key.tiles.expert_mma)
+        if key.tiles.expert_mma:  # the runner's cache where its ranks share tensors, else this rank's own
+            expert_words = expert_words if expert_words is not None else MmaOrderCache()
+        self._args = launch_args(shard, expert_words if key.tiles.expert_mma else None)
 
     def timing_variant(self, how: str, kind) -> "MonoRank":
         """This rank's launch on a timing variant of its table (planner.timing_variant:
@@ -945,9 +947,11 @@ class MonoRunner:
         self.compiled = build(self.key)
         spin = spin_limit if spin_limit is not None else (INTERPRET_SPIN if _interpreting() else DEFAULT_SPIN)
         buffers = local_buffers(self.tp, buffer_bytes(self.compiled.peer), self.device)
+        # tiles.expert_mma: each distinct expert tensor in mma order once, for every rank and the staged prewrite
+        self.expert_words = MmaOrderCache() if self.key.tiles.expert_mma else None
         self.rank_states = [
             MonoRank(self.key, self.shards[r], r, buffers[r], [buffers[r]] if self.loopback else buffers,
-                     layer=layer, spin_limit=spin, device=self.device)
+                     layer=layer, spin_limit=spin, device=self.device, expert_words=self.expert_words)
             for r in self.ranks
         ]
         self._staged = None
@@ -1038,7 +1042,8 @@ class MonoRunner:
         from .staged import StagedLayer
 
         if self._staged is None:
-            self._staged = StagedLayer(self.cfg, self.shards, self.tokens, self.layer, tiles=self.key.tiles)
+            self._staged = StagedLayer(self.cfg, self.shards, self.tokens, self.layer, tiles=self.key.tiles,
+                                       expert_words=self.expert_words)
         self._staged.load_inputs(core, prefix, blocks)
         self._staged.run()
         T = self.tp

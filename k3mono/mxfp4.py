@@ -108,3 +108,25 @@ def mma_order(packed: torch.Tensor) -> torch.Tensor:
     group_bytes = packed.contiguous().view(-1, MXFP4_GROUP // 2)
     words = torch.cat([_mma_words(chunk) for chunk in group_bytes.split(_MMA_CHUNK_GROUPS)])
     return words.view(*packed.shape[:-1], packed.shape[-1] // 4)
+
+
+class MmaOrderCache:
+    """mma_order of each distinct packed tensor, made once and shared.
+
+    The ranks of one runner and its staged layer often hold the same tensors
+    (the benchmarks' loopback ranks all share rank 0's shard); converting each
+    again would hold T + T copies of a shard's experts on the device. A hit
+    needs the same storage, shape, stride and dtype; the cache keeps the source
+    alive, so its address cannot be reused by another tensor while cached."""
+
+    def __init__(self):
+        self._made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
+        key = (packed.device, packed.data_ptr(), packed.dtype, tuple(packed.shape), packed.stride())
+        if key not in self._made:
+            self._made[key] = (packed, mma_order(packed))
+        return self._made[key][1]
+
+    def __len__(self) -> int:
+        return len(self._made)

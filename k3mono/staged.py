@@ -52,7 +52,7 @@ from .kernels.route import launch_route
 from .kernels.router import launch_router
 from .kernels.shared import launch_shared_gate_up
 from .layout import layout_bytes, peer_layout, region_views, scratch_layout
-from .mxfp4 import mma_order
+from .mxfp4 import MmaOrderCache
 from .planner import TileChoice, stage_geometry
 from .validate import check_layer_inputs
 from .weights import LayerWeights, check_weights
@@ -104,15 +104,19 @@ class StagedLayer:
     ``tiles`` the task sizes (the mono launch's TileChoice: the same bits, benchmarks/mono_sweep.py)."""
 
     def __init__(self, cfg: K3Config, shards: list[LayerWeights], tokens: int, layer: int,
-                 tiles: TileChoice = TileChoice()):
+                 tiles: TileChoice = TileChoice(), expert_words: MmaOrderCache | None = None):
         cfg.validate_layer(layer)
         self.tp = _check_shards(cfg, shards)
         self.cfg, self.shards, self.tokens, self.layer = cfg, list(shards), tokens, layer
         self.geom = stage_geometry(cfg, self.tp, tokens, tiles=tiles)
         self.expert_mma = tiles.expert_mma
-        # tiles.expert_mma: each rank's w1, w3, w2 in mma order (k3mono.mxfp4.mma_order), made once
-        self.expert_words = [{name: mma_order(getattr(w, f"{name}_packed")) for name in ("w1", "w3", "w2")}
-                             for w in self.shards] if tiles.expert_mma else None
+        # tiles.expert_mma: each rank's w1, w3, w2 in mma order (k3mono.mxfp4.mma_order), each distinct
+        # tensor once (``expert_words``: a cache shared with the caller's mono ranks)
+        self.expert_words = None
+        if tiles.expert_mma:
+            order = expert_words if expert_words is not None else MmaOrderCache()
+            self.expert_words = [{name: order(getattr(w, f"{name}_packed")) for name in ("w1", "w3", "w2")}
+                                 for w in self.shards]
         self.device = shards[0].o_proj.device
         self.nb = cfg.num_blocks(layer)
         S, H = tokens, cfg.hidden_size

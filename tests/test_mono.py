@@ -413,6 +413,10 @@ def test_experts_on_tensor_cores_stay_within_budget_and_match_staged(tp, tokens)
         staged(**inputs)
     for rank in range(tp):
         assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+    if tp > 1:  # the prewrite's staged layer reads the ranks' own words: each expert tensor converted once
+        assert len(runner.expert_words) == 3 * tp
+        for rank in range(tp):
+            assert staged.expert_words[rank]["w2"] is runner.rank_states[rank]._args["w2"]
 
 
 def test_the_expert_weights_must_be_in_the_builds_order(mono_launches):

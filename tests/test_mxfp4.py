@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3mono.errors import K3InputError
-from k3mono.mxfp4 import dequantize, e2m1_table, mma_order, quantize
+from k3mono.mxfp4 import MmaOrderCache, dequantize, e2m1_table, mma_order, quantize
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -116,3 +116,14 @@ def test_mma_order_rejects_other_layouts():
         mma_order(torch.zeros(2, 8, dtype=torch.uint8))  # 16 values a row: not whole groups
     with pytest.raises(K3InputError, match="mma_order"):
         mma_order(torch.zeros(2, 16, dtype=torch.int32))
+
+
+def test_mma_order_cache_converts_each_distinct_tensor_once():
+    """Ranks sharing a shard share its words; another view of the same storage is another tensor."""
+    packed = torch.randint(0, 256, (4, 3, 32), dtype=torch.uint8)
+    cache = MmaOrderCache()
+    words = cache(packed)
+    assert torch.equal(words, mma_order(packed))
+    assert cache(packed) is words and len(cache) == 1
+    second_expert = cache(packed[1])
+    assert torch.equal(second_expert, mma_order(packed[1])) and len(cache) == 2
