@@ -7,11 +7,9 @@ rotated) with the bytes they read over the copy bandwidth of the same run.
 ``--mma`` adds the tensor-core stages (weights in k3mono.mxfp4.mma_order,
 activations times 2^63) on each layer's own z and routes, first checked
 against the FMA stages' outputs of that run, with their weights loaded a
-step ahead or not (``--mma-lookahead``), each task asking for its weight
-rows into L2 first or not (``--mma-prefetch``).
+step ahead or not (``--mma-lookahead``).
 
-    python benchmarks/expert_loops.py [--tokens 1 8] [--loops 3x1 1x1 2x1 4x1 1x2 1x4]
-        [--mma [--mma-lookahead 0 1] [--mma-prefetch 0 1]]
+    python benchmarks/expert_loops.py [--tokens 1 8] [--loops 3x1 1x1 2x1 4x1 1x2 1x4] [--mma [--mma-lookahead 0 1]]
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (key(a) - key(b)).abs()
 
 
-def mma_stages(cfg, layer, shard, tokens: int, lookahead: bool, prefetch: bool) -> dict:
+def mma_stages(cfg, layer, shard, tokens: int, lookahead: bool) -> dict:
     """The tensor-core stages of one staged layer's rank 0, on its z and routes."""
     scratch, z = layer.scratch[0], layer.peer[0]["z"]
     words = {name: mma_order(getattr(shard, f"{name}_packed")) for name in ("w1", "w3", "w2")}
@@ -69,10 +67,9 @@ def mma_stages(cfg, layer, shard, tokens: int, lookahead: bool, prefetch: bool) 
     return {
         "expert_gate_up": lambda: experts.launch_expert_gate_up_mma(
             z_prescaled, ids, words["w1"], shard.w1_scale, words["w3"], shard.w3_scale, act, tokens, cfg,
-            lookahead=lookahead, prefetch_tile=prefetch),
+            lookahead=lookahead),
         "expert_down": lambda: experts.launch_expert_down_mma(
-            act, ids, route_w, words["w2"], shard.w2_scale, partial, tokens, cfg, lookahead=lookahead,
-            prefetch_tile=prefetch),
+            act, ids, route_w, words["w2"], shard.w2_scale, partial, tokens, cfg, lookahead=lookahead),
         "act": act,
         "partial": partial,
     }
@@ -98,8 +95,8 @@ def check_mma(layer, stages: dict) -> None:
           f"partial {partial_err:.1e}", flush=True)
 
 
-def time_mma(cfg, layers, sets, tokens: int, read: dict, bandwidth: float, lookahead: bool, prefetch: bool) -> str:
-    by_set = [mma_stages(cfg, layer, shard, tokens, lookahead, prefetch) for layer, shard in zip(layers, sets)]
+def time_mma(cfg, layers, sets, tokens: int, read: dict, bandwidth: float, lookahead: bool) -> str:
+    by_set = [mma_stages(cfg, layer, shard, tokens, lookahead) for layer, shard in zip(layers, sets)]
     for layer, stages in zip(layers, by_set):
         check_mma(layer, stages)
     cells = []
@@ -118,8 +115,6 @@ def main() -> None:
     parser.add_argument("--mma", action="store_true", help="also the tensor-core stages (weights in mma order)")
     parser.add_argument("--mma-lookahead", type=int, nargs="+", default=[0, 1],
                         help="the tensor-core stages' weights loaded a step ahead (0 / 1)")
-    parser.add_argument("--mma-prefetch", type=int, nargs="+", default=[0, 1],
-                        help="the tensor-core tasks first ask for their weight rows into L2 (0 / 1)")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
@@ -137,11 +132,9 @@ def main() -> None:
                 seconds = time_graph([stages_of[name] for stages_of in by_name])
                 cells.append(f"{name} {seconds * 1e6:6.1f} us ({read[name] / seconds / bandwidth:4.0%} of copy)")
             print(f"T={args.tp} S={tokens:>2} loops {stages}x{unroll}: " + ", ".join(cells), flush=True)
-            mma_loops = [(a, p) for a in args.mma_lookahead for p in args.mma_prefetch] if args.mma else []
-            for lookahead, prefetch in mma_loops if loop == args.loops[-1] else ():
-                timed = time_mma(cfg, layers, sets, tokens, read, bandwidth, bool(lookahead), bool(prefetch))
-                print(f"T={args.tp} S={tokens:>2} tensor cores, lookahead {lookahead} prefetch {prefetch}: {timed}",
-                      flush=True)
+            for lookahead in args.mma_lookahead if args.mma and loop == args.loops[-1] else ():
+                timed = time_mma(cfg, layers, sets, tokens, read, bandwidth, bool(lookahead))
+                print(f"T={args.tp} S={tokens:>2} tensor cores, lookahead {lookahead}: {timed}", flush=True)
             del layers
             torch.cuda.empty_cache()
 

@@ -49,7 +49,7 @@ import triton.language as tl
 from ..config import MXFP4_GROUP
 from ..errors import K3InputError, expect_tensor
 from ..planner import expert_mma_tile
-from .common import UPCAST_DOT, as_f32, dot_acc, prefetch_l2, situ, to_bf16
+from .common import UPCAST_DOT, as_f32, dot_acc, situ, to_bf16
 from .mxfp4 import (
     ACT_PRESCALE,
     DEFAULT_DEQUANT,
@@ -330,20 +330,6 @@ def _expert_down_kernel(
 
 
 @triton.jit
-def _prefetch_mma_rows(
-    words,  # i32 [rows, G_ROW * 4]: one expert's matrix in mma order
-    scales,  # u8 [rows, G_ROW]
-    row0,
-    row1,  # one past the task's last row
-    G_ROW: tl.constexpr,
-):
-    """Rows row0 .. row1 (contiguous) of a matrix and its scales into L2: the
-    copy engine streams the task's bytes at once, ahead of its loop's loads."""
-    prefetch_l2(words + row0 * (G_ROW * WORDS_PER_GROUP), words + row1 * (G_ROW * WORDS_PER_GROUP))
-    prefetch_l2(scales + row0 * G_ROW, scales + row1 * G_ROW)
-
-
-@triton.jit
 def _gate_up_mma_weights(
     w1,  # i32 [I_R, L/8]: the expert's w1 in mma order
     w1_scale,  # u8 [I_R, L/32]
@@ -383,7 +369,6 @@ def expert_gate_up_mma_task(
     LINEAR_BETA: tl.constexpr,
     UPCAST: tl.constexpr,  # common.UPCAST_DOT
     LOOKAHEAD: tl.constexpr = False,  # step i + 1's weights loaded before step i's math (GemvTile.lookahead)
-    PREFETCH_TILE: tl.constexpr = False,  # the task's weight rows asked into L2 at its start (common.prefetch_l2)
 ):
     """expert_gate_up_task on tensor cores: task = (pair s*K + j, tile of ROWS rows)."""
     TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
@@ -398,9 +383,6 @@ def expert_gate_up_mma_task(
     w3_scale = w3_scale_ptr + expert * (I_R * G_ROW)
     rows = tile * ROWS + tl.arange(0, ROWS)
     row_ok = rows < I_R
-    if PREFETCH_TILE:
-        _prefetch_mma_rows(w1, w1_scale, tile * ROWS, tl.minimum(tile * ROWS + ROWS, I_R), G_ROW)
-        _prefetch_mma_rows(w3, w3_scale, tile * ROWS, tl.minimum(tile * ROWS + ROWS, I_R), G_ROW)
     inputs = tl.arange(0, BLOCK_G * GROUP)
     gate = tl.zeros((ROWS, MMA_N), tl.float32)
     up = tl.zeros((ROWS, MMA_N), tl.float32)
@@ -468,7 +450,6 @@ def expert_down_mma_task(
     BLOCK_G: tl.constexpr,  # (slot, group) columns per step, at most MMA_N
     UPCAST: tl.constexpr,  # common.UPCAST_DOT
     LOOKAHEAD: tl.constexpr = False,  # step i + 1's weights loaded before step i's math (GemvTile.lookahead)
-    PREFETCH_TILE: tl.constexpr = False,  # the task's weight rows asked into L2 at its start (common.prefetch_l2)
 ):
     """expert_down_task on tensor cores: task = (token, tile of ROWS latent
     rows); the K experts' inputs one row of K * I_R/32 group columns, each
@@ -480,11 +461,6 @@ def expert_down_mma_task(
     tile = task % TILES
     rows = tile * ROWS + tl.arange(0, ROWS)
     row_ok = rows < L
-    if PREFETCH_TILE:
-        for slot in tl.static_range(K):
-            expert = tl.load(ids_ptr + token * K + slot).to(tl.int64)
-            _prefetch_mma_rows(w2_ptr + expert * (L * G_ROW * WORDS_PER_GROUP), w2_scale_ptr + expert * (L * G_ROW),
-                               tile * ROWS, tl.minimum(tile * ROWS + ROWS, L), G_ROW)
     column = tl.arange(0, MMA_N)
     inputs = tl.arange(0, BLOCK_G * GROUP)
     acc = tl.zeros((ROWS, MMA_N), tl.float32)
@@ -527,10 +503,9 @@ def _expert_gate_up_mma_kernel(
     LINEAR_BETA: tl.constexpr,
     UPCAST: tl.constexpr,
     LOOKAHEAD: tl.constexpr,
-    PREFETCH_TILE: tl.constexpr,
 ):
     expert_gate_up_mma_task(tl.program_id(0), z_ptr, ids_ptr, w1_ptr, w1_scale_ptr, w3_ptr, w3_scale_ptr, act_ptr, K,
-                            L, I_R, ROWS, BLOCK_G, BETA, LINEAR_BETA, UPCAST, LOOKAHEAD, PREFETCH_TILE)
+                            L, I_R, ROWS, BLOCK_G, BETA, LINEAR_BETA, UPCAST, LOOKAHEAD)
 
 
 @triton.jit
@@ -548,10 +523,9 @@ def _expert_down_mma_kernel(
     BLOCK_G: tl.constexpr,
     UPCAST: tl.constexpr,
     LOOKAHEAD: tl.constexpr,
-    PREFETCH_TILE: tl.constexpr,
 ):
     expert_down_mma_task(tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R,
-                         ROWS, BLOCK_G, UPCAST, LOOKAHEAD, PREFETCH_TILE)
+                         ROWS, BLOCK_G, UPCAST, LOOKAHEAD)
 
 
 # -- launchers -------------------------------------------------------------------
@@ -711,12 +685,11 @@ def launch_expert_down(
 
 
 def launch_expert_gate_up_mma(z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, tokens,
-                              cfg, lookahead: bool = False, prefetch_tile: bool = False) -> None:
+                              cfg, lookahead: bool = False) -> None:
     """The gate/up stage on tensor cores: z * 2^63 [S, L] bf16, route_ids [S, K]
     int32, w1/w3 in mma order (k3mono.mxfp4.mma_order: int32 [E, I/T, L/8]) and
     their scales -> act * 2^63 [S, K, I/T] bf16 (exact: launch_expert_down_mma's
-    input); ``lookahead``: each step's weights loaded a step ahead; ``prefetch_tile``:
-    each task first asks for all its weight rows into L2 (both the same bits)."""
+    input); ``lookahead``: each step's weights loaded a step ahead (same bits)."""
     S, K, L = tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
     I_R = _gate_up_shapes(cfg, z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, S,
                           mma=True)
@@ -726,15 +699,15 @@ def launch_expert_gate_up_mma(z_prescaled, route_ids, w1_words, w1_scale, w3_wor
     _expert_gate_up_mma_kernel[(S * K * triton.cdiv(I_R, tile.rows),)](
         z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, K=K, L=L, I_R=I_R,
         ROWS=tile.rows, BLOCK_G=_block_groups(tile), BETA=cfg.situ_beta, LINEAR_BETA=cfg.situ_linear_beta,
-        UPCAST=UPCAST_DOT, LOOKAHEAD=tile.lookahead, PREFETCH_TILE=prefetch_tile, num_warps=tile.warps)
+        UPCAST=UPCAST_DOT, LOOKAHEAD=tile.lookahead, num_warps=tile.warps)
 
 
 def launch_expert_down_mma(act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, tokens,
-                           cfg, lookahead: bool = False, prefetch_tile: bool = False) -> None:
+                           cfg, lookahead: bool = False) -> None:
     """The down stage on tensor cores: act * 2^63 [S, K, I/T] bf16
     (launch_expert_gate_up_mma's output), routes, w2 in mma order (int32
     [E, L, I/T/8]) and its scales -> latent_partial [S, L] fp32 (unrounded);
-    ``lookahead`` and ``prefetch_tile`` as launch_expert_gate_up_mma's."""
+    ``lookahead`` as launch_expert_gate_up_mma's."""
     S, L = tokens, cfg.routed_expert_hidden_size
     I_R = _down_shapes(cfg, act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, S, mma=True)
     _check_contiguous("launch_expert_down_mma", act_prescaled=act_prescaled, route_ids=route_ids, route_w=route_w,
@@ -743,4 +716,4 @@ def launch_expert_down_mma(act_prescaled, route_ids, route_w, w2_words, w2_scale
     _expert_down_mma_kernel[(S * triton.cdiv(L, tile.rows),)](
         act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, K=cfg.num_experts_per_token, L=L,
         I_R=I_R, ROWS=tile.rows, BLOCK_G=_block_groups(tile), UPCAST=UPCAST_DOT, LOOKAHEAD=tile.lookahead,
-        PREFETCH_TILE=prefetch_tile, num_warps=tile.warps)
+        num_warps=tile.warps)
