@@ -6,10 +6,9 @@ expert_gate_up and expert_down timed alone (CUDA-graph replay, weights
 rotated) with the bytes they read over the copy bandwidth of the same run.
 ``--mma`` adds the tensor-core stages (weights in k3mono.mxfp4.mma_order,
 activations times 2^63) on each layer's own z and routes, first checked
-against the FMA stages' outputs of that run, with their weights loaded a
-step ahead or not (``--mma-lookahead``).
+against the FMA stages' outputs of that run.
 
-    python benchmarks/expert_loops.py [--tokens 1 8] [--loops 3x1 1x1 2x1 4x1 1x2 1x4] [--mma [--mma-lookahead 0 1]]
+    python benchmarks/expert_loops.py [--tokens 1 8] [--loops 3x1 1x1 2x1 4x1 1x2 1x4] [--mma]
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (key(a) - key(b)).abs()
 
 
-def mma_stages(cfg, layer, shard, tokens: int, lookahead: bool) -> dict:
+def mma_stages(cfg, layer, shard, tokens: int) -> dict:
     """The tensor-core stages of one staged layer's rank 0, on its z and routes."""
     scratch, z = layer.scratch[0], layer.peer[0]["z"]
     words = {name: mma_order(getattr(shard, f"{name}_packed")) for name in ("w1", "w3", "w2")}
@@ -66,10 +65,9 @@ def mma_stages(cfg, layer, shard, tokens: int, lookahead: bool) -> dict:
     ids, route_w = scratch["route_ids"], scratch["route_w"]
     return {
         "expert_gate_up": lambda: experts.launch_expert_gate_up_mma(
-            z_prescaled, ids, words["w1"], shard.w1_scale, words["w3"], shard.w3_scale, act, tokens, cfg,
-            lookahead=lookahead),
+            z_prescaled, ids, words["w1"], shard.w1_scale, words["w3"], shard.w3_scale, act, tokens, cfg),
         "expert_down": lambda: experts.launch_expert_down_mma(
-            act, ids, route_w, words["w2"], shard.w2_scale, partial, tokens, cfg, lookahead=lookahead),
+            act, ids, route_w, words["w2"], shard.w2_scale, partial, tokens, cfg),
         "act": act,
         "partial": partial,
     }
@@ -95,8 +93,8 @@ def check_mma(layer, stages: dict) -> None:
           f"partial {partial_err:.1e}", flush=True)
 
 
-def time_mma(cfg, layers, sets, tokens: int, read: dict, bandwidth: float, lookahead: bool) -> str:
-    by_set = [mma_stages(cfg, layer, shard, tokens, lookahead) for layer, shard in zip(layers, sets)]
+def time_mma(cfg, layers, sets, tokens: int, read: dict, bandwidth: float) -> str:
+    by_set = [mma_stages(cfg, layer, shard, tokens) for layer, shard in zip(layers, sets)]
     for layer, stages in zip(layers, by_set):
         check_mma(layer, stages)
     cells = []
@@ -113,8 +111,6 @@ def main() -> None:
                         help="STAGESxUNROLL")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--mma", action="store_true", help="also the tensor-core stages (weights in mma order)")
-    parser.add_argument("--mma-lookahead", type=int, nargs="+", default=[0, 1],
-                        help="the tensor-core stages' weights loaded a step ahead (0 / 1)")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
@@ -132,9 +128,9 @@ def main() -> None:
                 seconds = time_graph([stages_of[name] for stages_of in by_name])
                 cells.append(f"{name} {seconds * 1e6:6.1f} us ({read[name] / seconds / bandwidth:4.0%} of copy)")
             print(f"T={args.tp} S={tokens:>2} loops {stages}x{unroll}: " + ", ".join(cells), flush=True)
-            for lookahead in args.mma_lookahead if args.mma and loop == args.loops[-1] else ():
-                timed = time_mma(cfg, layers, sets, tokens, read, bandwidth, bool(lookahead))
-                print(f"T={args.tp} S={tokens:>2} tensor cores, lookahead {lookahead}: {timed}", flush=True)
+            if args.mma and loop == args.loops[-1]:
+                print(f"T={args.tp} S={tokens:>2} tensor cores: " + time_mma(cfg, layers, sets, tokens, read, bandwidth),
+                      flush=True)
             del layers
             torch.cuda.empty_cache()
 

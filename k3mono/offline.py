@@ -182,16 +182,14 @@ def m1c_build(kv_dtype: str, tokens: int, splits: int, context: int):
     return build_launch(mla_attn._mla_attn_kernel, call)
 
 
-def expert_builds(cfg, tp: int, tokens: int, mma: bool = False, lookahead: bool = False):
+def expert_builds(cfg, tp: int, tokens: int, mma: bool = False):
     """(name, compiled, weight values a thread handles per step of the hot loop);
-    ``mma``: the tensor-core loops (weights in k3mono.mxfp4.mma_order);
-    ``lookahead``: each step's weights loaded a step ahead (TileChoice.expert_lookahead)."""
+    ``mma``: the tensor-core loops (weights in k3mono.mxfp4.mma_order)."""
     from .kernels import experts
     from .mxfp4 import mma_order
-    from .planner import TileChoice, expert_mma_tile, stage_geometry
+    from .planner import expert_mma_tile, stage_geometry
 
-    geom = stage_geometry(cfg, tp, tokens, tiles=TileChoice(expert_lookahead=lookahead))
-    shard = empty_shard(cfg, tp)
+    geom, shard = stage_geometry(cfg, tp, tokens), empty_shard(cfg, tp)
     K, L, I_R = cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
     ids = torch.zeros(tokens, K, dtype=torch.int32)
     act = torch.zeros(tokens, K, I_R, dtype=torch.bfloat16)
@@ -200,9 +198,9 @@ def expert_builds(cfg, tp: int, tokens: int, mma: bool = False, lookahead: bool 
     if mma:
         w1, w3, w2 = (mma_order(t) for t in (shard.w1_packed, shard.w3_packed, shard.w2_packed))
         gate_up, _ = build_launch(experts._expert_gate_up_mma_kernel, lambda: experts.launch_expert_gate_up_mma(
-            z, ids, w1, shard.w1_scale, w3, shard.w3_scale, act, tokens, cfg, lookahead=lookahead))
+            z, ids, w1, shard.w1_scale, w3, shard.w3_scale, act, tokens, cfg))
         down, _ = build_launch(experts._expert_down_mma_kernel, lambda: experts.launch_expert_down_mma(
-            act, ids, route_w, w2, shard.w2_scale, partial, tokens, cfg, lookahead=lookahead))
+            act, ids, route_w, w2, shard.w2_scale, partial, tokens, cfg))
     else:
         gate_up, _ = build_launch(experts._expert_gate_up_kernel, lambda: experts.launch_expert_gate_up(
             z, ids, shard.w1_packed, shard.w1_scale, shard.w3_packed, shard.w3_scale, act, geom, cfg))

@@ -204,10 +204,10 @@ yet timed on a GPU, so off by default. The FMA loops' lookahead and
 expert_evict_first do not apply to these loops."""
 
 
-def expert_mma_tile(out_dim: int, lookahead: bool = False) -> GemvTile:
+def expert_mma_tile(out_dim: int) -> GemvTile:
     """The tensor-core expert tile for ``out_dim`` output rows (tl.dot's M is at least DOT_MIN_TOKENS)."""
     rows = max(DOT_MIN_TOKENS, min(EXPERT_MMA_ROWS, next_pow2(out_dim)))
-    return GemvTile(rows=rows, block_k=EXPERT_MMA_GROUPS * MXFP4_GROUP, warps=4, lookahead=lookahead)
+    return GemvTile(rows=rows, block_k=EXPERT_MMA_GROUPS * MXFP4_GROUP, warps=4)
 
 
 BACK_BLOCK_DV = 32
@@ -491,9 +491,9 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         latent_down=_dense(L // tp, H, use_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, tiles.shared_step_kb, tiles.shared_rows),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
-        expert_gate_up=(expert_mma_tile(I // tp, tiles.expert_lookahead) if tiles.expert_mma
+        expert_gate_up=(expert_mma_tile(I // tp) if tiles.expert_mma
                         else _expert(tiles.gate_up_rows, I // tp, L, tiles.expert_lookahead)),
-        expert_down=(expert_mma_tile(L, tiles.expert_lookahead) if tiles.expert_mma
+        expert_down=(expert_mma_tile(L) if tiles.expert_mma
                      else _expert(tiles.down_rows, L, cfg.num_experts_per_token * I // tp, tiles.expert_lookahead)),
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,

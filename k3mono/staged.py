@@ -192,14 +192,14 @@ class StagedLayer:
                 "expert_gate_up",
                 lambda r: launch_expert_gate_up_mma(
                     peer[r]["z"], scratch[r]["route_ids"], words[r]["w1"], w[r].w1_scale, words[r]["w3"],
-                    w[r].w3_scale, scratch[r]["expert_act"], self.tokens, cfg, lookahead=geom.expert_gate_up.lookahead,
+                    w[r].w3_scale, scratch[r]["expert_act"], self.tokens, cfg,
                 ),
             )
             each_rank(
                 "expert_down",
                 lambda r: launch_expert_down_mma(
                     scratch[r]["expert_act"], scratch[r]["route_ids"], scratch[r]["route_w"], words[r]["w2"],
-                    w[r].w2_scale, peer[r]["ar2"][r], self.tokens, cfg, lookahead=geom.expert_down.lookahead,
+                    w[r].w2_scale, peer[r]["ar2"][r], self.tokens, cfg,
                 ),
             )
         else:

@@ -393,24 +393,21 @@ def test_wider_hidden_tasks_stay_within_budget_and_loopback_pushes_the_same_tile
         assert same_bits(runner.result(rank), runner._staged.result(rank)), f"rank {rank}: mono and staged differ"
 
 
-@pytest.mark.parametrize("tp,tokens,lookahead", [(2, 3, True), (1, 16, False)], ids=["T2-S3-lookahead", "T1-S16"])
-def test_experts_on_tensor_cores_stay_within_budget_and_match_staged(tp, tokens, lookahead):
+@pytest.mark.parametrize("tp,tokens", [(2, 3), (1, 16)], ids=["T2-S3", "T1-S16"])
+def test_experts_on_tensor_cores_stay_within_budget_and_match_staged(tp, tokens):
     """TileChoice.expert_mma: the expert tasks on tensor cores (weights in mma
     order, z pushed times 2^63) sum in another order, so the launch is held to
     the reference's budget and routes; the staged path at the same tiles gives
-    its bits on every rank (loopback's pre-writes included), with the
-    weights loaded a step ahead or not."""
+    its bits on every rank (loopback's pre-writes included)."""
     cfg, layer = preset("tiny"), 13
     shards = shard_all(layer_weights(), cfg, tp)
     inputs = random_inputs(cfg, tokens, layer, seed=47 + tokens)
-    tiles = TileChoice(expert_mma=True, expert_lookahead=lookahead)
-    runner = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
+    runner = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=TileChoice(expert_mma=True)))
     got = runner(**inputs)
     check_against_reference(cfg, shards, inputs, layer, got)
     geometry = runner.compiled.table.geometry
     L, I_r = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
-    assert (geometry.expert_gate_up, geometry.expert_down) == (expert_mma_tile(I_r, lookahead),
-                                                               expert_mma_tile(L, lookahead))
+    assert (geometry.expert_gate_up, geometry.expert_down) == (expert_mma_tile(I_r), expert_mma_tile(L))
     staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
     if tp == 1:
         staged(**inputs)

@@ -330,27 +330,6 @@ def _expert_down_kernel(
 
 
 @triton.jit
-def _gate_up_mma_weights(
-    w1,  # i32 [I_R, L/8]: the expert's w1 in mma order
-    w1_scale,  # u8 [I_R, L/32]
-    w3,  # i32 [I_R, L/8]: the expert's w3 in mma order
-    w3_scale,  # u8 [I_R, L/32]
-    g0,  # the step's first group (none loads past G_ROW: a lookahead's last step is free)
-    rows,  # [ROWS] int32
-    row_ok,
-    G_ROW: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-):
-    groups = g0 + tl.arange(0, BLOCK_G)
-    column = tl.arange(0, MMA_N)
-    scale_groups = g0 + column
-    scale_ok = (column < BLOCK_G) & (scale_groups < G_ROW)
-    words1, scales1 = load_mma_tile(w1, w1_scale, groups, groups < G_ROW, scale_groups, scale_ok, rows, row_ok, G_ROW)
-    words3, scales3 = load_mma_tile(w3, w3_scale, groups, groups < G_ROW, scale_groups, scale_ok, rows, row_ok, G_ROW)
-    return words1, scales1, words3, scales3
-
-
-@triton.jit
 def expert_gate_up_mma_task(
     task,
     z_ptr,  # bf16 [S, L]: z * 2^63
@@ -368,7 +347,6 @@ def expert_gate_up_mma_task(
     BETA: tl.constexpr,
     LINEAR_BETA: tl.constexpr,
     UPCAST: tl.constexpr,  # common.UPCAST_DOT
-    LOOKAHEAD: tl.constexpr = False,  # step i + 1's weights loaded before step i's math (GemvTile.lookahead)
 ):
     """expert_gate_up_task on tensor cores: task = (pair s*K + j, tile of ROWS rows)."""
     TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
@@ -383,18 +361,18 @@ def expert_gate_up_mma_task(
     w3_scale = w3_scale_ptr + expert * (I_R * G_ROW)
     rows = tile * ROWS + tl.arange(0, ROWS)
     row_ok = rows < I_R
+    column = tl.arange(0, MMA_N)
     inputs = tl.arange(0, BLOCK_G * GROUP)
     gate = tl.zeros((ROWS, MMA_N), tl.float32)
     up = tl.zeros((ROWS, MMA_N), tl.float32)
-    if LOOKAHEAD:
-        ahead = _gate_up_mma_weights(w1, w1_scale, w3, w3_scale, 0, rows, row_ok, G_ROW, BLOCK_G)
-    for g0 in tl.range(0, G_ROW, BLOCK_G, num_stages=PIPELINE_STAGES):
-        if LOOKAHEAD:
-            words1, scales1, words3, scales3 = ahead
-            ahead = _gate_up_mma_weights(w1, w1_scale, w3, w3_scale, g0 + BLOCK_G, rows, row_ok, G_ROW, BLOCK_G)
-        else:
-            words1, scales1, words3, scales3 = _gate_up_mma_weights(w1, w1_scale, w3, w3_scale, g0, rows, row_ok,
-                                                                    G_ROW, BLOCK_G)
+    for g0 in tl.range(0, G_ROW, BLOCK_G):
+        groups = g0 + tl.arange(0, BLOCK_G)
+        scale_groups = g0 + column
+        scale_ok = (column < BLOCK_G) & (scale_groups < G_ROW)
+        words1, scales1 = load_mma_tile(w1, w1_scale, groups, groups < G_ROW, scale_groups, scale_ok, rows, row_ok,
+                                        G_ROW)
+        words3, scales3 = load_mma_tile(w3, w3_scale, groups, groups < G_ROW, scale_groups, scale_ok, rows, row_ok,
+                                        G_ROW)
         k = g0 * GROUP + inputs
         z_diag = load_block_diagonal(z_ptr + token * L + k, k < L)
         no_sum = tl.zeros((ROWS, MMA_N), tl.float32)
@@ -404,34 +382,6 @@ def expert_gate_up_mma_task(
     u = to_bf16(tl.sum(up, axis=1) * OUT_RESCALE)
     act = to_bf16(as_f32(to_bf16(situ(as_f32(g), as_f32(u), BETA, LINEAR_BETA))) * ACT_PRESCALE)
     tl.store(act_ptr + pair * I_R + rows, act, mask=row_ok)
-
-
-@triton.jit
-def _down_mma_weights(
-    w2_ptr,  # i32 [E, L, I_R/8]: w2 in mma order
-    w2_scale_ptr,  # u8 [E, L, I_R/32]
-    ids_ptr,  # int32 [S, K]
-    token,
-    c0,  # the step's first (slot, group) column (none loads past COLS: a lookahead's last step is free)
-    rows,  # [ROWS] int32
-    row_ok,
-    K: tl.constexpr,
-    L: tl.constexpr,
-    G_ROW: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-):
-    COLS: tl.constexpr = K * G_ROW
-    cols = c0 + tl.arange(0, BLOCK_G)
-    col_ok = cols < COLS
-    column = tl.arange(0, MMA_N)
-    scale_cols = c0 + column
-    scale_ok = (column < BLOCK_G) & (scale_cols < COLS)
-    # int64: E * L * I_R/2 bytes passes 2^31 at TP1.
-    expert = tl.load(ids_ptr + token * K + cols // G_ROW, mask=col_ok, other=0).to(tl.int64)
-    scale_expert = tl.load(ids_ptr + token * K + scale_cols // G_ROW, mask=scale_ok, other=0).to(tl.int64)
-    return load_mma_tile((w2_ptr + expert * (L * G_ROW * WORDS_PER_GROUP))[None, :],
-                         (w2_scale_ptr + scale_expert * (L * G_ROW))[None, :], cols % G_ROW, col_ok,
-                         scale_cols % G_ROW, scale_ok, rows, row_ok, G_ROW)
 
 
 @triton.jit
@@ -449,7 +399,6 @@ def expert_down_mma_task(
     ROWS: tl.constexpr,  # latent rows per task
     BLOCK_G: tl.constexpr,  # (slot, group) columns per step, at most MMA_N
     UPCAST: tl.constexpr,  # common.UPCAST_DOT
-    LOOKAHEAD: tl.constexpr = False,  # step i + 1's weights loaded before step i's math (GemvTile.lookahead)
 ):
     """expert_down_task on tensor cores: task = (token, tile of ROWS latent
     rows); the K experts' inputs one row of K * I_R/32 group columns, each
@@ -464,22 +413,22 @@ def expert_down_mma_task(
     column = tl.arange(0, MMA_N)
     inputs = tl.arange(0, BLOCK_G * GROUP)
     acc = tl.zeros((ROWS, MMA_N), tl.float32)
-    if LOOKAHEAD:
-        ahead = _down_mma_weights(w2_ptr, w2_scale_ptr, ids_ptr, token, 0, rows, row_ok, K, L, G_ROW, BLOCK_G)
-    for c0 in tl.range(0, COLS, BLOCK_G, num_stages=PIPELINE_STAGES):
-        if LOOKAHEAD:
-            words, scales = ahead
-            ahead = _down_mma_weights(w2_ptr, w2_scale_ptr, ids_ptr, token, c0 + BLOCK_G, rows, row_ok, K, L, G_ROW,
-                                      BLOCK_G)
-        else:
-            words, scales = _down_mma_weights(w2_ptr, w2_scale_ptr, ids_ptr, token, c0, rows, row_ok, K, L, G_ROW,
-                                              BLOCK_G)
+    for c0 in tl.range(0, COLS, BLOCK_G):
+        cols = c0 + tl.arange(0, BLOCK_G)
+        col_ok = cols < COLS
+        # int64: E * L * I_R/2 bytes passes 2^31 at TP1.
+        expert = tl.load(ids_ptr + token * K + cols // G_ROW, mask=col_ok, other=0).to(tl.int64)
         scale_cols = c0 + column
         scale_ok = (column < BLOCK_G) & (scale_cols < COLS)
+        scale_pair = token * K + scale_cols // G_ROW
+        scale_expert = tl.load(ids_ptr + scale_pair, mask=scale_ok, other=0).to(tl.int64)
+        words, scales = load_mma_tile((w2_ptr + expert * (L * G_ROW * WORDS_PER_GROUP))[None, :],
+                                      (w2_scale_ptr + scale_expert * (L * G_ROW))[None, :], cols % G_ROW, col_ok,
+                                      scale_cols % G_ROW, scale_ok, rows, row_ok, G_ROW)
         input_col = c0 + inputs // GROUP
         act_diag = load_block_diagonal(act_ptr + (token * K + input_col // G_ROW) * I_R + (input_col % G_ROW) * GROUP
                                        + inputs % GROUP, input_col < COLS)
-        weight = tl.load(route_w_ptr + token * K + scale_cols // G_ROW, mask=scale_ok, other=0.0)
+        weight = tl.load(route_w_ptr + scale_pair, mask=scale_ok, other=0.0)
         part = dot_acc(e2m1_mma_tile(words), act_diag, tl.zeros((ROWS, MMA_N), tl.float32), UPCAST)
         acc += part * (e8m0_scale(scales) * weight[None, :])
     tl.store(out_ptr + token * L + rows, tl.sum(acc, axis=1) * OUT_RESCALE, mask=row_ok)
@@ -502,10 +451,9 @@ def _expert_gate_up_mma_kernel(
     BETA: tl.constexpr,
     LINEAR_BETA: tl.constexpr,
     UPCAST: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
 ):
     expert_gate_up_mma_task(tl.program_id(0), z_ptr, ids_ptr, w1_ptr, w1_scale_ptr, w3_ptr, w3_scale_ptr, act_ptr, K,
-                            L, I_R, ROWS, BLOCK_G, BETA, LINEAR_BETA, UPCAST, LOOKAHEAD)
+                            L, I_R, ROWS, BLOCK_G, BETA, LINEAR_BETA, UPCAST)
 
 
 @triton.jit
@@ -522,10 +470,9 @@ def _expert_down_mma_kernel(
     ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     UPCAST: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
 ):
     expert_down_mma_task(tl.program_id(0), act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, out_ptr, K, L, I_R,
-                         ROWS, BLOCK_G, UPCAST, LOOKAHEAD)
+                         ROWS, BLOCK_G, UPCAST)
 
 
 # -- launchers -------------------------------------------------------------------
@@ -685,35 +632,32 @@ def launch_expert_down(
 
 
 def launch_expert_gate_up_mma(z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, tokens,
-                              cfg, lookahead: bool = False) -> None:
+                              cfg) -> None:
     """The gate/up stage on tensor cores: z * 2^63 [S, L] bf16, route_ids [S, K]
     int32, w1/w3 in mma order (k3mono.mxfp4.mma_order: int32 [E, I/T, L/8]) and
-    their scales -> act * 2^63 [S, K, I/T] bf16 (exact: launch_expert_down_mma's
-    input); ``lookahead``: each step's weights loaded a step ahead (same bits)."""
+    their scales -> act * 2^63 [S, K, I/T] bf16 (exact: launch_expert_down_mma's input)."""
     S, K, L = tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
     I_R = _gate_up_shapes(cfg, z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, S,
                           mma=True)
     _check_contiguous("launch_expert_gate_up_mma", z_prescaled=z_prescaled, route_ids=route_ids, w1_words=w1_words,
                       w1_scale=w1_scale, w3_words=w3_words, w3_scale=w3_scale, act_prescaled=act_prescaled)
-    tile = expert_mma_tile(I_R, lookahead)
+    tile = expert_mma_tile(I_R)
     _expert_gate_up_mma_kernel[(S * K * triton.cdiv(I_R, tile.rows),)](
         z_prescaled, route_ids, w1_words, w1_scale, w3_words, w3_scale, act_prescaled, K=K, L=L, I_R=I_R,
         ROWS=tile.rows, BLOCK_G=_block_groups(tile), BETA=cfg.situ_beta, LINEAR_BETA=cfg.situ_linear_beta,
-        UPCAST=UPCAST_DOT, LOOKAHEAD=tile.lookahead, num_warps=tile.warps)
+        UPCAST=UPCAST_DOT, num_warps=tile.warps)
 
 
 def launch_expert_down_mma(act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, tokens,
-                           cfg, lookahead: bool = False) -> None:
+                           cfg) -> None:
     """The down stage on tensor cores: act * 2^63 [S, K, I/T] bf16
     (launch_expert_gate_up_mma's output), routes, w2 in mma order (int32
-    [E, L, I/T/8]) and its scales -> latent_partial [S, L] fp32 (unrounded);
-    ``lookahead`` as launch_expert_gate_up_mma's."""
+    [E, L, I/T/8]) and its scales -> latent_partial [S, L] fp32 (unrounded)."""
     S, L = tokens, cfg.routed_expert_hidden_size
     I_R = _down_shapes(cfg, act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, S, mma=True)
     _check_contiguous("launch_expert_down_mma", act_prescaled=act_prescaled, route_ids=route_ids, route_w=route_w,
                       w2_words=w2_words, w2_scale=w2_scale, latent_partial=latent_partial)
-    tile = expert_mma_tile(L, lookahead)
+    tile = expert_mma_tile(L)
     _expert_down_mma_kernel[(S * triton.cdiv(L, tile.rows),)](
         act_prescaled, route_ids, route_w, w2_words, w2_scale, latent_partial, K=cfg.num_experts_per_token, L=L,
-        I_R=I_R, ROWS=tile.rows, BLOCK_G=_block_groups(tile), UPCAST=UPCAST_DOT, LOOKAHEAD=tile.lookahead,
-        num_warps=tile.warps)
+        I_R=I_R, ROWS=tile.rows, BLOCK_G=_block_groups(tile), UPCAST=UPCAST_DOT, num_warps=tile.warps)

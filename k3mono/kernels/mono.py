@@ -343,7 +343,7 @@ def expert_down_push_task(
     then copies those rows to every peer's before raising."""
     if MMA:
         expert_down_mma_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr,
-                             own_f32 + slot, KTOP, L, I_R, DN_ROWS, DN_BG, UPCAST, LOOKAHEAD)
+                             own_f32 + slot, KTOP, L, I_R, DN_ROWS, DN_BG, UPCAST)
     else:
         expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32 + slot,
                          KTOP, L, I_R, DN_ROWS, DN_BG, LOOKAHEAD=LOOKAHEAD, EVICT_FIRST=EVICT_FIRST)
@@ -756,8 +756,7 @@ def _mono_kernel(
                 gu_task = (token * KTOP + slot) * tl.cdiv(I_R, GU_ROWS) + tile
                 if EXPERT_MMA:
                     expert_gate_up_mma_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,
-                                            act_ptr, KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA, UPCAST,
-                                            EXPERT_LOOKAHEAD)
+                                            act_ptr, KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA, UPCAST)
                 else:
                     expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,
                                         act_ptr, KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA,
