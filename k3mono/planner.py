@@ -199,9 +199,13 @@ through shared memory), and 8 groups (256 inputs) a step: two matrices' bf16
 tiles of 64 registers a thread for gate/up, half the block-diagonal
 activations' MMA_N = 16 columns. Offline sm_90a builds at TP8 (docs/PERF.md):
 2.64 (gate/up) and 3.82 (down) instructions a weight value, against 4.34 and
-5.00 for the FMA loops; 16 groups a step spilled in a probe of gate/up. Not
-yet timed on a GPU, so off by default. The FMA loops' lookahead and
-expert_evict_first do not apply to these loops."""
+5.00 for the FMA loops; 16 groups a step spilled in a probe of gate/up. Off
+by default: on the H200 they are correct but 1.7 to 2.5 times slower than the
+FMA loops (staged gate/up at S = 8 119.9 us against 66.1, the mono launch
+143.7 us against 70.6 at S = 1; docs/PERF.md, thirteenth session). Half as
+many tasks, and one barrier-bound warpgroup MMA a step, keep fewer bytes in
+flight. The FMA loops' lookahead and expert_evict_first do not apply to these
+loops."""
 
 
 def expert_mma_tile(out_dim: int) -> GemvTile:
