@@ -687,9 +687,10 @@ class MonoRank:
         self.symmetric_handle = None  # keeps a symmetric-memory mapping of the peers alive
         self._table, self._table_for = None, None
         self._peer_table()  # made here, so that even a first launch may be captured in a CUDA graph
+        words = None
         if key.tiles.expert_mma:  # the runner's cache where its ranks share tensors, else this rank's own
-            expert_words = expert_words if expert_words is not None else MmaOrderCache()
-        self._args = launch_args(shard, expert_words if key.tiles.expert_mma else None)
+            words = expert_words if expert_words is not None else MmaOrderCache()
+        self._args = launch_args(shard, words)
 
     def timing_variant(self, how: str, kind) -> "MonoRank":
         """This rank's launch on a timing variant of its table (planner.timing_variant:

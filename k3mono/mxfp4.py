@@ -117,7 +117,8 @@ class MmaOrderCache:
     (the benchmarks' loopback ranks all share rank 0's shard); converting each
     again would hold T + T copies of a shard's experts on the device. A hit
     needs the same storage, shape, stride and dtype; the cache keeps the source
-    alive, so its address cannot be reused by another tensor while cached."""
+    alive, so its address cannot be reused by another tensor while cached. The
+    sources are weights: written in place afterwards, they need a new cache."""
 
     def __init__(self):
         self._made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -128,5 +129,7 @@ class MmaOrderCache:
             self._made[key] = (packed, mma_order(packed))
         return self._made[key][1]
 
-    def __len__(self) -> int:
+    @property
+    def conversions(self) -> int:
+        """Distinct tensors converted so far."""
         return len(self._made)
