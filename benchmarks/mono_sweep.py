@@ -25,9 +25,9 @@ grid, not a register budget, sets how many warps an SM holds).
 ``--expert-evict-first`` whether the expert tasks' weight loads are evict_first in L2 (MonoOptions.expert_evict_first);
 ``--oproj-rows`` / ``--final-rows`` the rows of an o_proj / FINAL task (TileChoice.oproj_rows, final_rows);
 ``--shared-step-kb`` the KB a shared gate/up task loads a step (TileChoice.shared_step_kb);
-``--expert-mma`` the expert tasks on tensor cores (TileChoice.expert_mma: weights in mma order, made
-by every rank's MonoRank and by the loopback pre-write's staged layer, even where the ranks share one
-shard's tensors; the gate/up and down rows and the lookahead then do not apply).
+``--expert-mma`` the expert tasks on tensor cores (TileChoice.expert_mma: weights in mma order, each
+distinct tensor once a runner, k3mono.mxfp4.MmaOrderCache; the gate/up and down rows and the
+lookahead then do not apply).
 """
 
 from __future__ import annotations
