@@ -109,9 +109,8 @@ class StagedLayer:
         self.tp = _check_shards(cfg, shards)
         self.cfg, self.shards, self.tokens, self.layer = cfg, list(shards), tokens, layer
         self.geom = stage_geometry(cfg, self.tp, tokens, tiles=tiles)
-        self.expert_mma = tiles.expert_mma
         # tiles.expert_mma: each rank's w1, w3, w2 in mma order (k3mono.mxfp4.mma_order), each distinct
-        # tensor once (``expert_words``: a cache shared with the caller's mono ranks)
+        # tensor once (``expert_words``: a cache shared with the caller's mono ranks); None: the FMA loops
         self.expert_words = None
         if tiles.expert_mma:
             order = expert_words if expert_words is not None else MmaOrderCache()
@@ -177,7 +176,7 @@ class StagedLayer:
         )
         out.append(("exchange logits", lambda: self._exchange_columns("logits")))
         out.append(("exchange z", lambda: self._exchange_columns("z")))
-        if self.expert_mma:  # z * 2^63 (exact), as the mono launch's LATENT_DOWN tasks push it for these experts
+        if self.expert_words is not None:  # z * 2^63 (exact), as the mono launch's LATENT_DOWN tasks push it
             each_rank("prescale z", lambda r: peer[r]["z"].mul_(ACT_PRESCALE.value))
         each_rank(
             "route",
@@ -186,7 +185,7 @@ class StagedLayer:
                 scratch[r]["route_keys"], geom, cfg,
             ),
         )
-        if self.expert_mma:
+        if self.expert_words is not None:
             words = self.expert_words
             each_rank(
                 "expert_gate_up",
