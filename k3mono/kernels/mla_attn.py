@@ -193,6 +193,58 @@ def _attend_step(
 
 
 @triton.jit
+def _e4m3_pairs_as_fp16(pairs):
+    """Two e4m3 codes a uint16 (little-endian: even column low) as fp16 tiles (even, odd), exactly."""
+    if common.BF16_BY_BITS:
+        even = ((pairs << 8) & 0x8000) | ((pairs << 7) & 0x3F80)
+        odd = (pairs & 0x8000) | ((pairs >> 1) & 0x3F80)
+        return even.to(tl.float16, bitcast=True) * 256.0, odd.to(tl.float16, bitcast=True) * 256.0
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _load_pairs(row_ptrs, live, pair_cols):
+    """[BLOCK_N, len(pair_cols)] fp16 tiles (even, odd) of an e4m3 cache's columns 2c and 2c + 1, times 2^-8."""
+    pair_rows = row_ptrs.to(tl.pointer_type(tl.uint16))
+    return _e4m3_pairs_as_fp16(tl.load(pair_rows[:, None] + pair_cols[None, :], mask=live[:, None], other=0))
+
+
+@triton.jit
+def _attend_step_pairs(
+    pos0, hi, m, l,
+    acc_even,  # [BLOCK_H, D_LATENT / 2] fp32: o's even latent columns
+    acc_odd,
+    q_lat_even,  # [BLOCK_H, D_LATENT / 2] fp16
+    q_lat_odd,
+    q_rope,  # [BLOCK_H, D_ROPE] fp16
+    kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, scale,
+    PAGE_SIZE: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    lat = tl.arange(0, D_LATENT // 2)
+    rope = D_LATENT + tl.arange(0, D_ROPE)
+    pos = pos0 + tl.arange(0, BLOCK_N)
+    live = pos < hi
+    rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
+    kv_even, kv_odd = _load_pairs(rows, live, lat)
+    kv_rope = _load_cols(rows, live, rope, True)
+    score = dot_acc(q_lat_even, tl.trans(kv_even), tl.zeros([q_lat_even.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
+    score = dot_acc(q_lat_odd, tl.trans(kv_odd), score, UPCAST)
+    score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
+    score = tl.where(live[None, :], score * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(score, axis=1))
+    rescale = tl.exp(m - m_new)
+    p = tl.exp(score - m_new[:, None]).to(tl.float16)
+    l = l * rescale + tl.sum(as_f32(p), axis=1)
+    acc_even = dot_acc(p, kv_even, acc_even * rescale[:, None], UPCAST)
+    acc_odd = dot_acc(p, kv_odd, acc_odd * rescale[:, None], UPCAST)
+    return m_new, l, acc_even, acc_odd
+
+
+@triton.jit
 def mla_attn_task(
     s,  # the query token
     k,  # the split
@@ -228,6 +280,7 @@ def mla_attn_task(
     STAGES: tl.constexpr,  # steps of the context loop in flight (software pipeline)
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
+    PAIRS: tl.constexpr = False,
 ):
     """o[k, s, heads of the block] and lse[k, s, ...] (the module docstring's program);
     kernels/mono.py runs it as the M1C tasks of an MLA layer's launch."""
@@ -246,19 +299,40 @@ def mla_attn_task(
 
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
-    if RANGE_BY_WHILE:
-        pos0 = lo
-        while pos0 < hi:
-            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
-                                     pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
-            pos0 += BLOCK_N
+    if PAIRS:
+        half = tl.arange(0, D_LATENT // 2) * 2
+        qs = kv_scale
+        q_le = (as_f32(tl.load(q_rows + half[None, :], mask=live_h[:, None], other=0.0)) * qs).to(tl.float16)
+        q_lo = (as_f32(tl.load(q_rows + 1 + half[None, :], mask=live_h[:, None], other=0.0)) * qs).to(tl.float16)
+        acc_e = tl.zeros([BLOCK_H, D_LATENT // 2], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_H, D_LATENT // 2], dtype=tl.float32)
+        if RANGE_BY_WHILE:
+            pos0 = lo
+            while pos0 < hi:
+                m, l, acc_e, acc_o = _attend_step_pairs(pos0, hi, m, l, acc_e, acc_o, q_le, q_lo, q_rope, kv_ptr,
+                                                        stride_kvp, stride_kvr, pages_ptr, first_slot, scale,
+                                                        PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, UPCAST)
+                pos0 += BLOCK_N
+        else:
+            for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+                m, l, acc_e, acc_o = _attend_step_pairs(pos0, hi, m, l, acc_e, acc_o, q_le, q_lo, q_rope, kv_ptr,
+                                                        stride_kvp, stride_kvr, pages_ptr, first_slot, scale,
+                                                        PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, UPCAST)
+        acc = tl.interleave(acc_e, acc_o)
     else:
-        # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
-        # loads in flight (a while loop streams one step at a time).
-        for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
-                                     pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
+        acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
+        if RANGE_BY_WHILE:
+            pos0 = lo
+            while pos0 < hi:
+                m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
+                                         pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
+                pos0 += BLOCK_N
+        else:
+            # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
+            # loads in flight (a while loop streams one step at a time).
+            for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+                m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
+                                         pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
 
     seen = l > 0
     if KV_FP8:
@@ -302,11 +376,12 @@ def _mla_attn_kernel(
     STAGES: tl.constexpr,
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     mla_attn_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, stride_qs, stride_qh, kv_ptr,
                   stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr, scale, o_ptr,
                   stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls, HEADS, B, BP, PAGE_SIZE, D_LATENT,
-                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST)
+                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST, PAIRS)
 
 
 def shape_text(t) -> str:
@@ -385,7 +460,7 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
 
 
 def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n,
-                    stages, warps) -> None:
+                    stages, warps, pairs=None) -> None:
     """M1c into o [splits, S, heads, DL] fp32 and lse [splits, S, heads] fp32 (their shapes
     give splits and DL). q [S, heads, DQK] bf16; kv [pages, page_size, DQK] bf16 or fp8
     e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32."""
@@ -400,5 +475,5 @@ def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_sc
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
         D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
-        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps,
+        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, PAIRS=(kv.dtype == FP8) if pairs is None else pairs, num_warps=warps,
     )
