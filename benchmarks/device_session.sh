@@ -20,7 +20,7 @@
 # beside the plain one; rows: the o_proj and FINAL task rows (mono, S = 1 and 8); rows64: 32 and 64 of them (mono)
 # and the staged path's; m1b_double: the M1b-folded launch with its M1B and OPROJ tasks run twice; m1b_rows: that
 # launch's trace at 16, 32 and 64 value rows an M1B task; m1c_tiles: M1c alone at other tiles and splits (32 K);
-# m1c_pairs: the fp8 cache's e4m3 column pairs against the per-byte loads; mla_bench_fp8: the MLA layer rows, fp8 at
+# m1c_halves: M1c's latent halves at several tiles, fp8 and bf16; mla_bench_fp8: the MLA layer rows, fp8 at
 # 32 K; m1c_profile: M1c's counters (S = 4); bulk: the bulk L2 prefetch modes (mono); ctas3: S = 1 at 3 CTAs a SM;
 # shared: the shared gate/up task rows; route: the route's tasks before the shared ones;
 # final_bulk: PREFETCH_FINAL tasks with the bulk prefetch; shared_late: SHARED_GU after EXPERT_GU;
@@ -192,11 +192,11 @@ for s in $STEPS; do
     m1c_profile)  # Nsight Compute counters of M1c alone: fp8, 32 K, S = 4, 66 splits, the default tile
         step m1c_profile 120 ncu --clock-control none --launch-count 1 --kernel-name regex:_mla_attn $NCU_SECTIONS \
             python3 benchmarks/m1c_tiles.py --tokens 4 --block-n 32 --stages 3 --warps 4 --budget-s 20 ;;
-    m1c_pairs)  # M1c alone, fp8 at 32 K: the e4m3 column pairs at several tiles, then the per-byte loads
-        step m1c_pairs 220 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --kv fp8 --pairs 1 --block-n 32 64 \
-            --stages 2 3 --warps 4 8 --budget-s 190
-        step m1c_bytes 80 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --kv fp8 --pairs 0 --block-n 32 --stages 3 \
-            --warps 4 --budget-s 60 ;;
+    m1c_halves)  # M1c alone at 32 K, the latent dims in two halves (fp8: e4m3 column pairs): tiles, fp8 and bf16
+        step m1c_halves_fp8 200 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --kv fp8 --block-n 32 64 --stages 2 3 \
+            --warps 4 --budget-s 170
+        step m1c_halves_bf16 100 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --kv bf16 --block-n 32 --stages 2 3 \
+            --warps 4 --budget-s 80 ;;
     mla_bench_fp8)  # the MLA layer rows, fp8 cache at 32 K
         step bench_mla 120 python3 -m k3mono bench --tp --tokens $MLA_TOKENS --mla --contexts 32768 --kv fp8 \
             --out "$RESULTS" ;;

@@ -46,8 +46,6 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--pairs", type=int, nargs="+", default=[1], choices=[0, 1],
-                        help="fp8 cache: 1 the e4m3 column pairs converted in registers, 0 the per-byte operand loads")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -61,13 +59,13 @@ def main() -> None:
             default_call, o_ref, lse_ref = attn_call(sets[0], splits)
             default_call()
             o_ref, lse_ref = o_ref.clone(), lse_ref.clone()
-            for block_n, stages, warps, pairs in itertools.product(args.block_n, args.stages, args.warps, args.pairs):
+            for block_n, stages, warps in itertools.product(args.block_n, args.stages, args.warps):
                 if time.time() - started > args.budget_s:
                     print("budget spent: stopping", flush=True)
                     return
-                tile = dict(block_n=block_n, stages=stages, warps=warps, pairs=bool(pairs) and kv == "fp8")
+                tile = dict(block_n=block_n, stages=stages, warps=warps)
                 label = (f"{kv} ctx {args.context} S={tokens:>2} splits {splits:>3} block_n {block_n} stages {stages} "
-                         f"warps {warps} pairs {pairs}")
+                         f"warps {warps}")
                 try:
                     calls = [attn_call(inputs, splits, tile) for inputs in sets]
                     first, o, lse = calls[0]

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from k3mono import mla
 from k3mono.errors import K3InputError
+from k3mono.kernels.common import e4m3_pairs_to_fp16
 from k3mono.kernels.mla_attn import launch_mla_attn
 from k3mono.kernels.mla_back import _ordered_sum, launch_mla_back
 from k3mono.reference import mla as ref
@@ -285,6 +286,35 @@ def test_m1b_sums_the_splits_in_a_fixed_pairwise_order():
     assert not torch.equal(want[0], x.cumsum(0)[-1]), "inputs too tame: sequential and tree sums agree"
 
 
+@triton.jit
+def _e4m3_pairs_kernel(
+    pairs_ptr,  # [N] uint16: two e4m3 codes each
+    even_ptr,  # [N] fp16 out
+    odd_ptr,  # [N] fp16 out
+    N: tl.constexpr,
+):
+    i = tl.arange(0, N)
+    even, odd = e4m3_pairs_to_fp16(tl.load(pairs_ptr + i))
+    tl.store(even_ptr + i, even)
+    tl.store(odd_ptr + i, odd)
+
+
+def test_e4m3_pairs_convert_exactly():
+    """Every pair of e4m3 codes (NaN codes aside: a cache holds none) gives torch's
+    e4m3 -> fp16 values bit for bit, the even column's code in the low byte."""
+    codes = torch.arange(256, dtype=torch.int32)
+    pairs = (codes[:, None] << 8 | codes[None, :]).flatten()  # the low byte varies fastest
+    even = torch.full(pairs.shape, float("nan"), dtype=torch.float16, device=DEVICE)
+    odd = torch.full_like(even, float("nan"))
+    _e4m3_pairs_kernel[(1,)](pairs.to(torch.uint16).to(DEVICE), even, odd, N=pairs.numel())
+    as_fp16 = codes.to(torch.uint8).view(FP8).to(torch.float16)
+    want_even, want_odd = as_fp16.repeat(256), as_fp16.repeat_interleave(256)
+    finite = want_even.isfinite() & want_odd.isfinite()
+    assert finite.sum() == 254 * 254
+    assert torch.equal(even.cpu()[finite].view(torch.int16), want_even[finite].view(torch.int16))
+    assert torch.equal(odd.cpu()[finite].view(torch.int16), want_odd[finite].view(torch.int16))
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 BAD = {
@@ -308,6 +338,19 @@ def test_bad_input_is_named_before_any_launch(case, monkeypatch):
     with pytest.raises(K3InputError, match=rf"^{name}: .*{what}"):
         mla.mla_decode(*batch.layout, batch.w_v, batch.gate, kv_scale=batch.kv_scale, splits=2)
     assert launches == []
+
+
+def test_fp8_cache_rows_at_odd_bytes_are_refused():
+    """The fp8 latent columns are read two bytes at a time: a row at an odd byte is named."""
+    batch = make_batch([1], [20], kv_dtype=FP8)
+    pages, page_size, dqk = batch.kv.shape
+    wider = torch.zeros(pages, page_size, dqk + 1, dtype=FP8)
+    wider[..., :dqk] = batch.kv
+    batch.kv = wider[..., :dqk]  # row stride dqk + 1, odd
+    o, lse = (t.fill_(float("nan")) for t in mla.split_outputs(batch.q, 2, batch.w_v.shape[-1]))
+    with pytest.raises(K3InputError, match=r"^kv: an fp8 cache's rows must start at even bytes"):
+        launch_mla_attn(*batch.layout, o, lse, kv_scale=batch.kv_scale, **mla.ATTN_TILE)
+    assert o.isnan().all() and lse.isnan().all(), "nothing may be written"
 
 
 def test_bf16_kv_with_a_scale_is_refused():

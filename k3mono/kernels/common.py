@@ -9,7 +9,9 @@ The interpreter (Triton 3.6) also converts between fp32 and bf16 wrongly:
 bf16 -> fp32 upcast mangles subnormals. Every bf16 rounding of k3-math.md must
 be bit-exact, so kernels convert through ``to_bf16`` / ``as_f32``: integer bit
 arithmetic in interpreter builds (``BF16_BY_BITS``), the hardware conversion
-(cvt.rn, already round-to-nearest-even) in compiled ones.
+(cvt.rn, already round-to-nearest-even) in compiled ones. The same holds for
+``e4m3_pairs_to_fp16``: bit placement in the interpreter (which cannot run
+inline PTX), cvt.rn.f16x2.e4m3x2 in compiled builds; both are exact.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ _BF16_HALF_ULP = tl.constexpr(0x7FFF)  # round-to-nearest: half an ulp, less one
 _F32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _BF16_QUIET_BIT = tl.constexpr(0x40)  # keeps a NaN a NaN when its payload sits in the low half
+_E4M3_SIGN_TO_FP16 = tl.constexpr(8)  # an e4m3 code's sign bit 7 goes to an fp16's bit 15
+_E4M3_BITS_TO_FP16 = tl.constexpr(7)  # its exponent and mantissa bits 6..0 go to bits 13..7
+_FP16_SIGN = tl.constexpr(0x8000)
+_FP16_E4M3_FIELD = tl.constexpr(0x3F80)  # bits 13..7
+_E4M3_IN_FP16 = tl.constexpr(256.0)  # the bits so placed read as the e4m3 value / 2^8 (fp16's exponent bias is 8 more)
 
 
 @triton.jit
@@ -47,6 +54,20 @@ def to_bf16(x):
         return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(tl.bfloat16)
+
+
+@triton.jit
+def e4m3_pairs_to_fp16(pairs):
+    """(even, odd) fp16 values of uint16 pairs of e4m3 codes (little-endian: the even
+    column's code in the low byte), exactly: every e4m3 value is an fp16 one."""
+    if BF16_BY_BITS:
+        low = ((pairs << _E4M3_SIGN_TO_FP16) & _FP16_SIGN) | ((pairs << _E4M3_BITS_TO_FP16) & _FP16_E4M3_FIELD)
+        high = (pairs & _FP16_SIGN) | ((pairs >> (_E4M3_SIGN_TO_FP16 - _E4M3_BITS_TO_FP16)) & _FP16_E4M3_FIELD)
+        return (low.to(tl.float16, bitcast=True) * _E4M3_IN_FP16,
+                high.to(tl.float16, bitcast=True) * _E4M3_IN_FP16)
+    else:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                                         "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
 
 
 @triton.jit

@@ -32,6 +32,20 @@ and bf16 round per cache element it replaces made an fp8 cache slower than a
 bf16 one of twice the bytes (docs/PERF.md). It needs |q| * kv_scale below
 fp16's 65504 (latent queries are O(1) to O(100) and kv_scale is amax / 448).
 
+The latent dims are taken in two halves, each its own pair of dots (score
+sums both; acc_a and acc_b are o's columns of each half):
+
+    bf16 cache: half 0 columns c, half 1 columns D_LATENT / 2 + c
+    fp8 cache:  half 0 columns 2c, half 1 columns 2c + 1     c < D_LATENT / 2
+
+An fp8 cache's latent columns are read as uint16 pairs of e4m3 codes and each
+pair converted in registers to two fp16 (common.e4m3_pairs_to_fp16), so the
+tile a dot reads from shared memory has 16-bit elements: ldmatrix moves those,
+transposed for P @ V too. Read as bytes, the tile reached the mma fragments by
+8-bit shared loads (no ldmatrix transposes 8-bit data): 228 of them a step, and
+the fp8 cache streamed at 31 to 43 % of the copy (docs/PERF.md). The rope
+columns feed only the score dot, whose operand layout ldmatrix gives from bytes.
+
 A program owns one query token, so a request's n query tokens read its cache
 n times; in exchange the grid (S, SPLITS, head blocks) is fixed for a given
 batch shape and needs no host read of the lengths. The heads of one token
@@ -50,7 +64,7 @@ from ..config import MAX_TOKENS
 from ..errors import K3InputError, expect_tensor
 from ..planner import next_pow2
 from . import common
-from .common import RANGE_BY_WHILE, as_f32, dot_acc, to_bf16
+from .common import RANGE_BY_WHILE, as_f32, dot_acc, e4m3_pairs_to_fp16, to_bf16
 
 FP8 = torch.float8_e4m3fn
 DOT_MIN = 16  # tl.dot's smallest M, N and K
@@ -151,13 +165,47 @@ def _load_cols(
 
 
 @triton.jit
+def _half_cols(
+    part,  # 0 or 1
+    D_LATENT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """[D_LATENT / 2] latent columns of half ``part`` (the module docstring's table)."""
+    c = tl.arange(0, D_LATENT // 2)
+    if KV_FP8:
+        return 2 * c + part
+    else:
+        return part * (D_LATENT // 2) + c
+
+
+@triton.jit
+def _latent_halves(
+    row_ptrs,  # [BLOCK_N] pointers to cache rows
+    live,  # [BLOCK_N]
+    D_LATENT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """([BLOCK_N, D_LATENT / 2] half 0, half 1) of the cache rows' latent columns as dot
+    operands; rows past the range are 0."""
+    if KV_FP8:
+        pairs = tl.arange(0, D_LATENT // 2)
+        pair_rows = row_ptrs.to(tl.pointer_type(tl.uint16))  # a row starts at an even byte (launch_mla_attn)
+        return e4m3_pairs_to_fp16(tl.load(pair_rows[:, None] + pairs[None, :], mask=live[:, None], other=0))
+    else:
+        return (_load_cols(row_ptrs, live, _half_cols(0, D_LATENT, False), False),
+                _load_cols(row_ptrs, live, _half_cols(1, D_LATENT, False), False))
+
+
+@triton.jit
 def _attend_step(
     pos0,  # the step's first context position
     hi,  # the split's end
     m,  # [BLOCK_H] fp32 running max
     l,  # [BLOCK_H] fp32 running sum
-    acc,  # [BLOCK_H, D_LATENT] fp32
-    q_lat,  # [BLOCK_H, D_LATENT] the score dot's operand (_query_operand)
+    acc_a,  # [BLOCK_H, D_LATENT / 2] fp32: o's half-0 columns (unscaled)
+    acc_b,  # [BLOCK_H, D_LATENT / 2] fp32: half 1
+    q_a,  # [BLOCK_H, D_LATENT / 2] the score dot's operand (_query_operand), half 0
+    q_b,  # [BLOCK_H, D_LATENT / 2] half 1
     q_rope,  # [BLOCK_H, D_ROPE]
     kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3
     stride_kvp,
@@ -172,15 +220,15 @@ def _attend_step(
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One online-softmax step over positions pos0 .. pos0 + BLOCK_N - 1 (those < hi): (m, l, acc)."""
-    lat = tl.arange(0, D_LATENT)
+    """One online-softmax step over positions pos0 .. pos0 + BLOCK_N - 1 (those < hi): (m, l, acc_a, acc_b)."""
     rope = D_LATENT + tl.arange(0, D_ROPE)
     pos = pos0 + tl.arange(0, BLOCK_N)
     live = pos < hi
     rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
-    kv_lat = _load_cols(rows, live, lat, KV_FP8)  # [BLOCK_N, D_LATENT]: keys and values
+    kv_a, kv_b = _latent_halves(rows, live, D_LATENT, KV_FP8)  # [BLOCK_N, D_LATENT / 2]: keys and values
     kv_rope = _load_cols(rows, live, rope, KV_FP8)  # [BLOCK_N, D_ROPE]
-    score = dot_acc(q_lat, tl.trans(kv_lat), tl.zeros([q_lat.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
+    score = dot_acc(q_a, tl.trans(kv_a), tl.zeros([q_a.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
+    score = dot_acc(q_b, tl.trans(kv_b), score, UPCAST)
     score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
     score = tl.where(live[None, :], score * scale, float("-inf"))
     # The first position of every step is live, so m_new is finite.
@@ -188,60 +236,9 @@ def _attend_step(
     rescale = tl.exp(m - m_new)
     p = _weight_operand(tl.exp(score - m_new[:, None]), KV_FP8)
     l = l * rescale + tl.sum(as_f32(p), axis=1)
-    acc = dot_acc(p, kv_lat, acc * rescale[:, None], UPCAST)
-    return m_new, l, acc
-
-
-@triton.jit
-def _e4m3_pairs_as_fp16(pairs):
-    """Two e4m3 codes a uint16 (little-endian: even column low) as fp16 tiles (even, odd), exactly."""
-    if common.BF16_BY_BITS:
-        even = ((pairs << 8) & 0x8000) | ((pairs << 7) & 0x3F80)
-        odd = (pairs & 0x8000) | ((pairs >> 1) & 0x3F80)
-        return even.to(tl.float16, bitcast=True) * 256.0, odd.to(tl.float16, bitcast=True) * 256.0
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-            "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-
-
-@triton.jit
-def _load_pairs(row_ptrs, live, pair_cols):
-    """[BLOCK_N, len(pair_cols)] fp16 tiles (even, odd) of an e4m3 cache's columns 2c and 2c + 1, times 2^-8."""
-    pair_rows = row_ptrs.to(tl.pointer_type(tl.uint16))
-    return _e4m3_pairs_as_fp16(tl.load(pair_rows[:, None] + pair_cols[None, :], mask=live[:, None], other=0))
-
-
-@triton.jit
-def _attend_step_pairs(
-    pos0, hi, m, l,
-    acc_even,  # [BLOCK_H, D_LATENT / 2] fp32: o's even latent columns
-    acc_odd,
-    q_lat_even,  # [BLOCK_H, D_LATENT / 2] fp16
-    q_lat_odd,
-    q_rope,  # [BLOCK_H, D_ROPE] fp16
-    kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, scale,
-    PAGE_SIZE: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    lat = tl.arange(0, D_LATENT // 2)
-    rope = D_LATENT + tl.arange(0, D_ROPE)
-    pos = pos0 + tl.arange(0, BLOCK_N)
-    live = pos < hi
-    rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
-    kv_even, kv_odd = _load_pairs(rows, live, lat)
-    kv_rope = _load_cols(rows, live, rope, True)
-    score = dot_acc(q_lat_even, tl.trans(kv_even), tl.zeros([q_lat_even.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
-    score = dot_acc(q_lat_odd, tl.trans(kv_odd), score, UPCAST)
-    score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
-    score = tl.where(live[None, :], score * scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(score, axis=1))
-    rescale = tl.exp(m - m_new)
-    p = tl.exp(score - m_new[:, None]).to(tl.float16)
-    l = l * rescale + tl.sum(as_f32(p), axis=1)
-    acc_even = dot_acc(p, kv_even, acc_even * rescale[:, None], UPCAST)
-    acc_odd = dot_acc(p, kv_odd, acc_odd * rescale[:, None], UPCAST)
-    return m_new, l, acc_even, acc_odd
+    acc_a = dot_acc(p, kv_a, acc_a * rescale[:, None], UPCAST)
+    acc_b = dot_acc(p, kv_b, acc_b * rescale[:, None], UPCAST)
+    return m_new, l, acc_a, acc_b
 
 
 @triton.jit
@@ -280,13 +277,13 @@ def mla_attn_task(
     STAGES: tl.constexpr,  # steps of the context loop in flight (software pipeline)
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
-    PAIRS: tl.constexpr = False,
 ):
     """o[k, s, heads of the block] and lse[k, s, ...] (the module docstring's program);
     kernels/mono.py runs it as the M1C tasks of an MLA layer's launch."""
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     live_h = heads < HEADS
-    lat = tl.arange(0, D_LATENT)
+    cols_a = _half_cols(0, D_LATENT, KV_FP8)
+    cols_b = _half_cols(1, D_LATENT, KV_FP8)
     rope = D_LATENT + tl.arange(0, D_ROPE)
 
     b = _request_of(s, qsl_ptr, B, BP)
@@ -294,52 +291,38 @@ def mla_attn_task(
     first_slot = tl.load(indptr_ptr + b)
 
     q_rows = q_ptr + s * stride_qs + heads[:, None] * stride_qh
-    q_lat = _query_operand(tl.load(q_rows + lat[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
+    q_a = _query_operand(tl.load(q_rows + cols_a[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
+    q_b = _query_operand(tl.load(q_rows + cols_b[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
     q_rope = _query_operand(tl.load(q_rows + rope[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
 
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if PAIRS:
-        half = tl.arange(0, D_LATENT // 2) * 2
-        qs = kv_scale
-        q_le = (as_f32(tl.load(q_rows + half[None, :], mask=live_h[:, None], other=0.0)) * qs).to(tl.float16)
-        q_lo = (as_f32(tl.load(q_rows + 1 + half[None, :], mask=live_h[:, None], other=0.0)) * qs).to(tl.float16)
-        acc_e = tl.zeros([BLOCK_H, D_LATENT // 2], dtype=tl.float32)
-        acc_o = tl.zeros([BLOCK_H, D_LATENT // 2], dtype=tl.float32)
-        if RANGE_BY_WHILE:
-            pos0 = lo
-            while pos0 < hi:
-                m, l, acc_e, acc_o = _attend_step_pairs(pos0, hi, m, l, acc_e, acc_o, q_le, q_lo, q_rope, kv_ptr,
-                                                        stride_kvp, stride_kvr, pages_ptr, first_slot, scale,
-                                                        PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, UPCAST)
-                pos0 += BLOCK_N
-        else:
-            for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-                m, l, acc_e, acc_o = _attend_step_pairs(pos0, hi, m, l, acc_e, acc_o, q_le, q_lo, q_rope, kv_ptr,
-                                                        stride_kvp, stride_kvr, pages_ptr, first_slot, scale,
-                                                        PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, UPCAST)
-        acc = tl.interleave(acc_e, acc_o)
+    acc_a = tl.zeros([BLOCK_H, D_LATENT // 2], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_H, D_LATENT // 2], dtype=tl.float32)
+    if RANGE_BY_WHILE:
+        pos0 = lo
+        while pos0 < hi:
+            m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope, kv_ptr, stride_kvp,
+                                              stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE,
+                                              BLOCK_N, KV_FP8, UPCAST)
+            pos0 += BLOCK_N
     else:
-        acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
-        if RANGE_BY_WHILE:
-            pos0 = lo
-            while pos0 < hi:
-                m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
-                                         pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
-                pos0 += BLOCK_N
-        else:
-            # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
-            # loads in flight (a while loop streams one step at a time).
-            for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-                m, l, acc = _attend_step(pos0, hi, m, l, acc, q_lat, q_rope, kv_ptr, stride_kvp, stride_kvr,
-                                         pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
+        # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
+        # loads in flight (a while loop streams one step at a time).
+        for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+            m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope, kv_ptr, stride_kvp,
+                                              stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE,
+                                              BLOCK_N, KV_FP8, UPCAST)
 
     seen = l > 0
     if KV_FP8:
-        acc = acc * kv_scale  # the values' scale (the keys' rode on q)
-    o = acc / tl.where(seen, l, 1.0)[:, None]
+        acc_a = acc_a * kv_scale  # the values' scale (the keys' rode on q)
+        acc_b = acc_b * kv_scale
+    sums = tl.where(seen, l, 1.0)[:, None]
     lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
-    tl.store(o_ptr + k * stride_ok + s * stride_os + heads[:, None] * stride_oh + lat[None, :], o, mask=live_h[:, None])
+    o_rows = o_ptr + k * stride_ok + s * stride_os + heads[:, None] * stride_oh
+    tl.store(o_rows + cols_a[None, :], acc_a / sums, mask=live_h[:, None])
+    tl.store(o_rows + cols_b[None, :], acc_b / sums, mask=live_h[:, None])
     tl.store(lse_ptr + k * stride_lk + s * stride_ls + heads, lse, mask=live_h)
 
 
@@ -376,12 +359,11 @@ def _mla_attn_kernel(
     STAGES: tl.constexpr,
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
-    PAIRS: tl.constexpr,
 ):
     mla_attn_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, stride_qs, stride_qh, kv_ptr,
                   stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr, scale, o_ptr,
                   stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls, HEADS, B, BP, PAGE_SIZE, D_LATENT,
-                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST, PAIRS)
+                  D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST)
 
 
 def shape_text(t) -> str:
@@ -406,6 +388,14 @@ def check_unit_stride(*named) -> None:
     for name, t in named:
         if t.stride(-1) != 1:
             raise K3InputError(f"{name}: expected unit stride along the last dim, got strides {list(t.stride())}")
+
+
+def check_pair_aligned(kv: torch.Tensor) -> None:
+    """An fp8 cache's latent columns are read two bytes at a time (_latent_halves): every row
+    must start at an even byte."""
+    if kv.dtype == FP8 and (kv.data_ptr() % 2 or kv.stride(0) % 2 or kv.stride(1) % 2):
+        raise K3InputError(f"kv: an fp8 cache's rows must start at even bytes, got data_ptr {kv.data_ptr():#x} "
+                           f"and strides {list(kv.stride())}")
 
 
 def check_same_device(*named) -> None:
@@ -435,6 +425,7 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
     if kv.dtype not in (torch.bfloat16, FP8):
         raise K3InputError(f"kv: expected dtype torch.bfloat16 or {FP8}, got {kv.dtype}")
     check_operand_scale("kv", kv, kv_scale)
+    check_pair_aligned(kv)
     if not isinstance(o, torch.Tensor) or o.dim() != 4 or tuple(o.shape[1:3]) != (tokens, heads):
         raise K3InputError(f"o: expected shape [splits, {tokens}, {heads}, DL], got {shape_text(o)}")
     splits, latent = o.shape[0], o.shape[3]
@@ -460,7 +451,7 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
 
 
 def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n,
-                    stages, warps, pairs=None) -> None:
+                    stages, warps) -> None:
     """M1c into o [splits, S, heads, DL] fp32 and lse [splits, S, heads] fp32 (their shapes
     give splits and DL). q [S, heads, DQK] bf16; kv [pages, page_size, DQK] bf16 or fp8
     e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32."""
@@ -475,5 +466,5 @@ def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_sc
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
         D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
-        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, PAIRS=(kv.dtype == FP8) if pairs is None else pairs, num_warps=warps,
+        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps,
     )

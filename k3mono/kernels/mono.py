@@ -711,7 +711,7 @@ def _mono_kernel(
                                   stride_kvp, stride_kvr, kv_scale, qsl_ptr, seq_lens_ptr, pages_ptr, indptr_ptr,
                                   attn_scale, o_ptr, stride_ok, stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls,
                                   M1C_HEADS, M1C_B, M1C_BP, PAGE_SIZE, D_LATENT, D_ROPE, SPLITS, M1C_BH, M1C_BN,
-                                  M1C_STAGES, KV_FP8, UPCAST, KV_FP8)
+                                  M1C_STAGES, KV_FP8, UPCAST)
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_M1B:
                 if M1B:
