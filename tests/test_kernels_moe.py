@@ -514,6 +514,9 @@ _SM90_BUILDS = textwrap.dedent(
     compiled, grid = offline.m1c_build("fp8", 1, 264, 2048)  # M1c alone, as bench_mla launches it
     usage = offline.resource_usage(compiled)
     assert grid == (1, 264, 1) and usage["stack"] == 0 and offline.ctas_per_sm(usage, 4) >= 2, (grid, usage)
+    ops = offline.opcode_counts(max(offline.sass_loops(compiled), key=len))
+    # the fp8 tile reaches the dots as 16-bit pairs (ldmatrix), not by byte loads from shared memory
+    assert ops["LDS"] < ops["LDSM"] and "cvt.rn.f16x2.e4m3x2" in compiled.asm["ptx"], ops.most_common(8)
     compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, trace=True, poll_sleep_ns=200, prefetch=2)
     ptx = compiled.asm["ptx"]  # k3mono/trace.py's readings; the pause between polls; every kind's prefetch
     assert "%globaltimer" in ptx and "%smid" in ptx and "nanosleep.u32" in ptx
@@ -529,7 +532,8 @@ def test_sm90_builds_place_nibbles_with_imad_and_mono_fits_its_planned_ctas():
     ones feed the warpgroup MMA from registers without spilling; the mono kernel
     compiles, plain and with M1c and M1b folded in, and its registers leave room
     for the CTAs a SM its grid is planned for; M1c alone fits two programs a SM
-    without spilling; a trace build reads the global timer, waits can pause
+    without spilling, its fp8 tile converted from e4m3 pairs and read by ldmatrix
+    rather than by byte loads; a trace build reads the global timer, waits can pause
     between polls, and the prefetch modes ask the copy engine for each kind's
     weights (ptxas takes the bulk prefetch). Runs in a child process: the
     interpreter, on in this one, cannot compile."""
