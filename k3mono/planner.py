@@ -293,7 +293,10 @@ heads fit one block, so every cache row is read once per token and split."""
 ATTN_BLOCK_N = 32
 """Context positions an M1c step covers: a 32 x 512 bf16 latent tile is 32 KB
 of shared memory, and the fp32 accumulator [16, 512] another 32 KB of
-registers (64 a thread at 4 warps); larger steps would spill."""
+registers (64 a thread at 4 warps). Steps of 64 on the fp8 byte loads gained
+1 us at S = 1 and lost at S = 4 and 16 (docs/PERF.md, seventh session); with
+the latent halves a 64-position step builds (offline sm_90a, 2 stages) at 255
+registers for fp8 and 226 for bf16, not yet timed."""
 
 ATTN_STAGES = 3
 """M1c steps in flight (the context loop's software pipeline): one SM streams a
