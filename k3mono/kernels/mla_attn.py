@@ -318,11 +318,11 @@ def mla_attn_task(
     if KV_FP8:
         acc_a = acc_a * kv_scale  # the values' scale (the keys' rode on q)
         acc_b = acc_b * kv_scale
-    sums = tl.where(seen, l, 1.0)[:, None]
-    lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+    sums = tl.where(seen, l, 1.0)  # an empty split's o is 0 / 1
+    lse = tl.where(seen, m + tl.log(sums), float("-inf"))
     o_rows = o_ptr + k * stride_ok + s * stride_os + heads[:, None] * stride_oh
-    tl.store(o_rows + cols_a[None, :], acc_a / sums, mask=live_h[:, None])
-    tl.store(o_rows + cols_b[None, :], acc_b / sums, mask=live_h[:, None])
+    tl.store(o_rows + cols_a[None, :], acc_a / sums[:, None], mask=live_h[:, None])
+    tl.store(o_rows + cols_b[None, :], acc_b / sums[:, None], mask=live_h[:, None])
     tl.store(lse_ptr + k * stride_lk + s * stride_ls + heads, lse, mask=live_h)
 
 
