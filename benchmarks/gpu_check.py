@@ -6,6 +6,7 @@ the bf16 reference, every rank's copy compared bit for bit.
     python benchmarks/gpu_check.py [--tp 1 8] [--tokens 1 4 16] [--skip-staged] [--skip-mono]
                                    [--grids 132 100 66 1] [--occupy-sms 66] [--dense-step-kb 8] [--gate-up-rows 32]
                                    [--down-rows 32] [--router-rows 8] [--expert-lookahead 0] [--expert-mma 1]
+                                   [--layers-tokens 1]
 
 The mono section runs the mono launch (k3mono.mono.MonoRunner: T = 1, and
 T = 8 with every rank in loopback) eagerly, then captures the T launches in
@@ -18,6 +19,10 @@ given CTA counts (one CTA a SM planned for that many SMs; the grid of 1 walks
 the whole table alone), and once with a spinning kernel holding --occupy-sms
 SMs on another stream while the launch starts: tickets are taken by resident
 CTAs only, so neither may change a bit of the outputs or hang.
+
+The layers section (T = 1, at --layers-tokens) runs LAYER and OTHER_LAYER, other
+weights, on one set of buffers (MonoRunner.for_layer), both launches in one
+CUDA graph, 3 replays with fresh inputs, each layer against its own oracle.
 
 Prints one line per case and exits non-zero on any failure.
 """
@@ -43,6 +48,7 @@ from k3mono.synthetic import random_inputs, random_shard
 from k3mono.weights import shard_all
 
 LAYER = 25
+OTHER_LAYER = 92  # the last: 8 AttnRes blocks (a candidate pad of 16 against LAYER's 4)
 OCCUPY_SPIN_STEPS = 1 << 22  # about a millisecond of dependent FMAs: longer than the launch
 
 
@@ -121,6 +127,74 @@ def mono_case(cfg, full, shards, tp: int, tokens: int, device, options: MonoOpti
     return failures
 
 
+def route_sources(runner, parity: int) -> dict:
+    """Where rank 0's launch leaves its routes, and its logits at ``parity``."""
+    scratch = runner.scratch(0)
+    return {"route_ids": scratch["route_ids"], "route_weights": scratch["route_w"],
+            "router_logits": runner.parity_views(0, parity)["logits"]}
+
+
+def launch_layers(runners: dict, sources: dict, routes: dict) -> None:
+    """Each layer's launch in turn, its routes copied out before the next one's."""
+    for layer, runner in runners.items():
+        runner.launch(0)
+        for name, t in routes[layer].items():
+            t.copy_(sources[layer][name])
+
+
+def layers_case(cfg, weights: dict, tokens: int, device, options: MonoOptions) -> int:
+    """Two layers taking turns on one set of buffers (MonoRunner.for_layer), T = 1:
+    both launches captured in one CUDA graph and replayed 3 times, fresh inputs for
+    both before each replay, each layer judged against its own oracle. Returns the
+    number of failures."""
+    failures = 0
+    started = time.time()
+    (first_layer, first_w), (second_layer, second_w) = weights.items()
+    first = MonoRunner(cfg, [first_w], tokens, first_layer, options=options)
+    runners = {first_layer: first, second_layer: first.for_layer(second_layer, [second_w])}
+    buffers = {layer: {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=layer).items()}
+               for layer in runners}
+    try:
+        for layer, runner in runners.items():
+            runner.load_inputs(**buffers[layer])
+        # A launch's routes and logits live in the buffers the next layer's launch
+        # rewrites: the graph copies them out after each launch. Each replay runs
+        # two launches, so a layer always meets the same epoch parity.
+        sources = {layer: route_sources(runner, (first.epoch() + i) & 1)
+                   for i, (layer, runner) in enumerate(runners.items())}
+        routes = {layer: {name: t.clone() for name, t in named.items()} for layer, named in sources.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch_layers(runners, sources, routes)
+        for replay in range(3):
+            for layer, runner in runners.items():
+                fresh = random_inputs(cfg, tokens, layer, seed=700 + 10 * replay + layer)
+                for name, t in buffers[layer].items():
+                    t.copy_(fresh[name].to(device))
+                runner.load_inputs(**buffers[layer])
+                runner.poison()
+            graph.replay()
+            torch.cuda.synchronize()
+            for layer, runner in runners.items():
+                runner.check_health()
+                rank = runner.rank_states[0]
+                outputs = dict(routes[layer], moe_out=rank.out, prefix=rank.prefix)
+                outputs["route_ids"] = outputs["route_ids"].to(torch.int64)
+                verdict = Oracle(cfg, weights[layer], buffers[layer], layer).judge(outputs)
+                failures += not verdict.ok
+                print(f"mono layers {first_layer} and {second_layer} on one set of buffers, graph replay {replay}: "
+                      f"layer {layer} S={tokens:>2}: moe err {verdict.moe_err:.2e} (budget {verdict.moe_budget:.2e}) "
+                      f"prefix err {verdict.prefix_err:.2e} (budget {verdict.prefix_budget:.2e}) routes "
+                      f"{verdict.routes_text} {'ok' if verdict.ok else 'FAIL'} ({time.time() - started:.0f} s)",
+                      flush=True)
+    except RuntimeError as error:
+        failures += 1
+        print(f"mono layers S={tokens:>2}: FAIL {error}", flush=True)
+    del runners, first
+    torch.cuda.empty_cache()
+    return failures
+
+
 def default_grid_run(cfg, shards, device) -> tuple[dict, object]:
     """(inputs, outputs) of one rank of TP8 in loopback at S = 1 on the default grid:
     what every grid case must reproduce bit for bit."""
@@ -177,6 +251,8 @@ def main() -> int:
     parser.add_argument("--ctas-per-sm", type=int, default=DEFAULT_CTAS_PER_SM, help="MonoOptions.ctas_per_sm")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
+    parser.add_argument("--layers-tokens", type=int, nargs="*", default=[1],
+                        help="T = 1: layers LAYER and OTHER_LAYER on one set of buffers at these S")
     args = parser.parse_args()
     cfg = preset("kimi-k3")
     device = torch.device("cuda")
@@ -207,6 +283,12 @@ def main() -> int:
                 options = default_options(tokens, ctas_per_sm=args.ctas_per_sm, tiles=chosen_tiles(args, tokens),
                                           poll_sleep_ns=args.poll_sleep_ns)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, options)
+            for tokens in args.layers_tokens if tp == 1 else ():
+                options = default_options(tokens, ctas_per_sm=args.ctas_per_sm, tiles=chosen_tiles(args, tokens),
+                                          poll_sleep_ns=args.poll_sleep_ns)
+                other = random_shard(cfg, 1, seed=8, device=device)
+                failures += layers_case(cfg, {LAYER: full, OTHER_LAYER: other}, tokens, device, options)
+                del other
         if tp == 8:
             inputs, expected = default_grid_run(cfg, shards, device)
             for ctas in args.grids:

@@ -72,14 +72,7 @@ class TensorSpec:
 
 def _layer_table(cfg: K3Config) -> tuple[list, list]:
     """The released per-layer tensors (suffix, field, shape, dtype), derived from cfg."""
-    H, C, E, L, I, SI = (
-        cfg.hidden_size,
-        cfg.core_width,
-        cfg.num_experts,
-        cfg.routed_expert_hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.shared_intermediate,
-    )
+    H, C, E, L, I, SI = cfg.matrix_dims
     G = MXFP4_GROUP
     whole = [
         ("self_attn.o_proj.weight", "o_proj", (H, C), BF16),

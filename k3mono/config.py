@@ -55,6 +55,12 @@ class K3Config:
     def shared_intermediate(self) -> int:  # SI
         return self.num_shared_experts * self.moe_intermediate_size
 
+    @property
+    def matrix_dims(self) -> tuple[int, int, int, int, int, int]:
+        """(H, C, E, L, I, SI): the sizes every weight matrix of a layer is made of."""
+        return (self.hidden_size, self.core_width, self.num_experts, self.routed_expert_hidden_size,
+                self.moe_intermediate_size, self.shared_intermediate)
+
     def num_blocks(self, layer: int) -> int:
         """AttnRes blocks visible at the MLP side of ``layer`` (block 0 is the embedding)."""
         return layer // self.attn_res_block_size + 1

@@ -40,9 +40,12 @@ k2_launch argument names (the seed's) -> LayerWeights fields
     scratch first, and M1b reads them there.
 
 Ranks
-    ``MonoRank``: one rank's state (scratch, epoch word, health, input copies,
-    out) and the peer buffers it pushes into (peers.py says where they come
-    from: one device, host shared memory, symmetric memory).
+    ``RankBuffers``: a rank's scratch, epoch word, health and the peer buffers
+    it pushes into (peers.py says where they come from: one device, host
+    shared memory, symmetric memory). ``MonoRank``: one rank's launch of one
+    layer on a RankBuffers (its input copies, out, the layer's weights);
+    ``for_layer`` gives another layer's on the same buffers (the build key
+    differs in the AttnRes candidate pad only: the same table and layouts).
     ``MonoRunner``: T ranks on one device.
     loopback (the default for T > 1): each rank's launch runs alone; the
     other ranks' pushes of this input are pre-written into both parities of
@@ -82,7 +85,7 @@ from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShap
                       next_pow2, plan, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_layer_inputs
-from .weights import LayerWeights
+from .weights import LayerWeights, check_weights
 
 CTL_WORDS = 2  # ticket counter, CTAs done
 DEFAULT_SPIN = 1 << 22
@@ -350,8 +353,7 @@ def build(key: MonoBuild) -> Compiled:
     if key.variant is not None:
         table = timing_variant(table, *key.variant)
     g = table.geometry
-    H, C, E, L = cfg.hidden_size, cfg.core_width, cfg.num_experts, cfg.routed_expert_hidden_size
-    I, SI = cfg.moe_intermediate_size, cfg.shared_intermediate
+    H, C, E, L, I, SI = cfg.matrix_dims
     data = data_layout(key)
     peer = peer_regions(key, table.num_flag_words)
     scratch_lay = scratch_layout(cfg, T, S, g.m1c)
@@ -652,28 +654,64 @@ class MonoTimeout(RuntimeError):
     """A wait of the mono launch ran out of polls (the health record says which)."""
 
 
-class MonoRank:
-    """One rank's launch state: its build, shard, scratch, device epoch word,
-    health record, input copies (core columns, prefix) and out, and the peer
-    buffers it pushes into: ``peers`` (NP of them: every rank's, or in
-    loopback only ``[own]``), its own buffer ``own`` among them.
+@dataclass(eq=False)
+class RankBuffers:
+    """What one rank's launches share across layers: its scratch, its own peer
+    buffer ``own`` among the ``peers`` it pushes into (NP of them: every
+    rank's, or in loopback only ``[own]``), the epoch word, the health record,
+    and what a timeout broke. Every layer of one build family runs on one set
+    (MonoRank.for_layer): their launches run in stream order, so each finds the
+    scratch free, the epoch one past the last launch's whichever layer ran it,
+    every flag at the last epoch's count (one task table), and the peer regions
+    of the parity the last launch did not use. After a timeout the set is broken
+    (flags and epoch words no longer agree) for every layer on it, until
+    MonoRank.reset() on every rank of the group at once."""
 
-    A rank is what one process of an engine holds; ``MonoRunner`` holds T of
-    them on one device, ``rankjob.mono_rank_worker`` one per spawned process.
-    After a timeout the rank is broken (flags and epoch words no longer
-    agree): ``reset()`` zeroes them, on every rank of the group at once."""
+    scratch: torch.Tensor  # uint8 [scratch bytes]
+    own: torch.Tensor  # uint8 [peer bytes]
+    peers: list  # NP x uint8 [peer bytes]
+    epoch_word: torch.Tensor  # int32 [1]: the epoch the next launch runs
+    health: torch.Tensor  # int32 [HEALTH_WORDS]
+    broken: str | None = None  # the timeout that broke them
+    symmetric_handle: object = None  # keeps a symmetric-memory mapping of the peers alive
+    _table: torch.Tensor | None = None
+    _table_for: list | None = None
 
-    def __init__(self, key: MonoBuild, shard: LayerWeights, rank: int, own: torch.Tensor, peers, *, layer: int,
-                 spin_limit: int, device, expert_words: MmaOrderCache | None = None):
+    @classmethod
+    def allocate(cls, compiled: Compiled, own: torch.Tensor, peers) -> "RankBuffers":
+        """Scratch, epoch word (epoch 1) and health on ``own``'s device for a build's launches."""
         from .kernels.sync import HEALTH_WORDS
 
+        dev = own.device
+        buffers = cls(scratch=torch.zeros(buffer_bytes(compiled.scratch), dtype=torch.uint8, device=dev), own=own,
+                      peers=list(peers), epoch_word=torch.ones(1, dtype=torch.int32, device=dev),
+                      health=torch.zeros(HEALTH_WORDS, dtype=torch.int32, device=dev))
+        buffers.peer_table()  # made here, so that even a first launch may be captured in a CUDA graph
+        return buffers
+
+    def peer_table(self) -> torch.Tensor:
+        """The peers' address table, remade (host side, no sync) if ``peers`` was reassigned."""
+        addresses = [p.data_ptr() for p in self.peers]
+        if self._table_for != addresses:
+            self._table, self._table_for = peer_address_table(self.peers, self.own.device), addresses
+        return self._table
+
+
+class MonoRank:
+    """One rank's launch of one layer: its build, the layer's shard, input copies
+    (core columns, prefix) and out, on ``buffers`` (RankBuffers: scratch, peer
+    buffers, epoch word, health), which other layers' ranks may share
+    (``for_layer``).
+
+    A rank is what one process of an engine holds; ``MonoRunner`` holds T of
+    them on one device, ``rankjob.mono_rank_worker`` one per spawned process."""
+
+    def __init__(self, key: MonoBuild, shard: LayerWeights, rank: int, buffers: RankBuffers, *, layer: int,
+                 spin_limit: int, expert_words: MmaOrderCache | None = None):
         self.key, self.compiled, self.rank, self.layer = key, build(key), rank, layer
-        self.own, self.peers = own, list(peers)
+        self.buffers = buffers
         self.spin_limit = spin_limit
-        cfg, S, dev = key.cfg, key.tokens, torch.device(device)
-        self.scratch_buffer = torch.zeros(buffer_bytes(self.compiled.scratch), dtype=torch.uint8, device=dev)
-        self.epoch_word = torch.ones(1, dtype=torch.int32, device=dev)
-        self.health = torch.zeros(HEALTH_WORDS, dtype=torch.int32, device=dev)
+        cfg, S, dev = key.cfg, key.tokens, buffers.own.device
         # k3mono/trace.py reads it: the last launch's tickets (trace builds only)
         self.trace = (torch.zeros((len(self.compiled.table.tasks), TRACE_WORDS), dtype=torch.int64, device=dev)
                       if key.trace else None)
@@ -683,14 +721,34 @@ class MonoRank:
         self.blocks = None
         self.m1b_in = None  # M1b builds: the rank's heads' M1b inputs (load_m1b_inputs)
         self.m1c_in = None  # M1c builds: the rank's heads' M1c inputs (load_m1b_inputs)
-        self.broken = None
-        self.symmetric_handle = None  # keeps a symmetric-memory mapping of the peers alive
-        self._table, self._table_for = None, None
-        self._peer_table()  # made here, so that even a first launch may be captured in a CUDA graph
-        words = None
+        self.expert_words = None
         if key.tiles.expert_mma:  # the runner's cache where its ranks share tensors, else this rank's own
-            words = expert_words if expert_words is not None else MmaOrderCache()
-        self._args = launch_args(shard, words)
+            self.expert_words = expert_words if expert_words is not None else MmaOrderCache()
+        self._args = launch_args(shard, self.expert_words)
+
+    def for_layer(self, layer: int, shard: LayerWeights) -> "MonoRank":
+        """This rank's launch of ``layer`` (``shard``: that layer's weights of this
+        rank) on this rank's buffers: an engine holds one RankBuffers a rank per
+        token count and option set, not one per layer (at T = 8, S = 16 a peer
+        buffer is 18.7 MB). The build differs at most in the AttnRes candidate
+        pad (the layer's block count), which changes neither the task table nor
+        a buffer's layout. Launches of the two run in stream order. Each keeps
+        its own out and prefix copy; its routes and logits (``result()``) are
+        in the shared buffers, valid until the next launch on them."""
+        from .kernels.attnres import num_candidates_pad
+
+        cfg = self.key.cfg
+        cfg.validate_layer(layer)
+        if not isinstance(shard, LayerWeights) or (shard.tp, shard.rank) != (self.key.tp, self.rank):
+            got = f"rank {shard.rank} of {shard.tp}" if isinstance(shard, LayerWeights) else type(shard).__name__
+            raise K3InputError(f"shard: expected rank {self.rank} of {self.key.tp} (this rank's), got {got}")
+        check_weights(shard, cfg)
+        for name, t in shard.tensors().items():
+            if t.device != self.buffers.own.device:
+                raise K3InputError(f"shard.{name}: expected device {self.buffers.own.device}, got {t.device}")
+        key = dataclasses.replace(self.key, cands=num_candidates_pad(cfg.num_blocks(layer)))
+        return MonoRank(key, shard, self.rank, self.buffers, layer=layer, spin_limit=self.spin_limit,
+                        expert_words=self.expert_words)
 
     def timing_variant(self, how: str, kind) -> "MonoRank":
         """This rank's launch on a timing variant of its table (planner.timing_variant:
@@ -708,22 +766,22 @@ class MonoRank:
     # -- views -------------------------------------------------------------------------------
     def parity_views(self, parity: int) -> dict:
         off, n = self.compiled.peer[f"parity{parity}"]
-        return region_views(self.own[off : off + n], self.compiled.data)
+        return region_views(self.buffers.own[off : off + n], self.compiled.data)
 
     def flags(self) -> torch.Tensor:
         off, n = self.compiled.peer["flags"]
-        return self.own[off : off + n].view(torch.int32)[: self.compiled.table.num_flag_words]
+        return self.buffers.own[off : off + n].view(torch.int32)[: self.compiled.table.num_flag_words]
 
     def scratch(self) -> dict:
-        return region_views(self.scratch_buffer, self.compiled.scratch_lay)
+        return region_views(self.buffers.scratch, self.compiled.scratch_lay)
 
     def ctl(self) -> torch.Tensor:
         off, _ = self.compiled.scratch["ctl"]
-        return self.scratch_buffer[off : off + 4 * CTL_WORDS].view(torch.int32)
+        return self.buffers.scratch[off : off + 4 * CTL_WORDS].view(torch.int32)
 
     def epoch(self) -> int:
         """The epoch the next launch will run (the last launch ran epoch() - 1)."""
-        return int(self.epoch_word.item())
+        return int(self.buffers.epoch_word.item())
 
     # -- a run -------------------------------------------------------------------------------
     def load_inputs(self, core, prefix, blocks) -> None:
@@ -738,7 +796,7 @@ class MonoRank:
         """An MLA layer (M1b build): this rank's heads' M1b inputs (checked, then
         read in place: the launch writes core from them), with M1c (M1c build)
         its M1c inputs too, a copy of prefix; ``blocks`` as load_inputs."""
-        splits = split_outputs(self.key, self.scratch_buffer)
+        splits = split_outputs(self.key, self.buffers.scratch)
         check_m1b_inputs(self.key, m1b_in, self.core, splits)
         check_m1c_inputs(self.key, m1c_in, splits)
         self.m1b_in = dict(m1b_in)
@@ -763,28 +821,22 @@ class MonoRank:
 
     def launch(self) -> None:
         """This rank's launch on the current stream (no sync, no health check)."""
-        if self.broken:
-            raise RuntimeError(f"mono rank {self.rank}: broken by an earlier timeout ({self.broken}); call reset()")
+        b = self.buffers
+        if b.broken:
+            raise RuntimeError(f"mono rank {self.rank}: broken by an earlier timeout ({b.broken}); call reset()")
         k2_launch(
             self.key, core=self.core, prefix=self.prefix, blocks=self.blocks, **self._args, out=self.out,
-            scratch=self.scratch_buffer, peers=self.peers, peer_table=self._peer_table(), rank=self.rank,
-            epoch=self.epoch_word, layer=self.layer, health=self.health, alarm=self.spin_limit, own=self.own,
-            m1b_in=self.m1b_in, m1c_in=self.m1c_in, trace=self.trace,
+            scratch=b.scratch, peers=b.peers, peer_table=b.peer_table(), rank=self.rank, epoch=b.epoch_word,
+            layer=self.layer, health=b.health, alarm=self.spin_limit, own=b.own, m1b_in=self.m1b_in,
+            m1c_in=self.m1c_in, trace=self.trace,
         )
-
-    def _peer_table(self) -> torch.Tensor:
-        """The peers' address table, remade (host side, no sync) if ``peers`` was reassigned."""
-        addresses = [p.data_ptr() for p in self.peers]
-        if self._table_for != addresses:
-            self._table, self._table_for = peer_address_table(self.peers, self.own.device), addresses
-        return self._table
 
     def check_health(self) -> None:
         """Raise MonoTimeout naming rank, task, flag, expected and seen on a failed wait
         (and, across ranks, the first exchange with ranks none of whose pushes arrived)."""
         from .kernels import sync
 
-        h = self.health.tolist()
+        h = self.buffers.health.tolist()
         if not h[sync.H_ALARM]:
             return
         table = self.compiled.table
@@ -796,14 +848,15 @@ class MonoRank:
         except IndexError:
             flag, flag_name = None, "?"
         what = f"{task.kind.name} tile {task.tile} token {task.token}" if task else "?"
-        self.broken = (
+        broken = (
             f"rank {h[sync.H_RANK]} layer {h[sync.H_LAYER]} epoch {h[sync.H_EPOCH]}: ticket {ticket} ({what}) "
             f"timed out waiting for flag {flag_name} (word {word}): expected {h[sync.H_EXPECTED]}, "
             f"seen {h[sync.H_SEEN]} ({h[sync.H_ALARM]} failed wait(s) on rank {self.rank})"
         )
         if self.key.tp > 1 and not self.key.loopback:
-            self.broken += self._stalled_exchange(h[sync.H_EPOCH] & 1)
-        raise MonoTimeout(f"mono launch: {self.broken}")
+            broken += self._stalled_exchange(h[sync.H_EPOCH] & 1)
+        self.buffers.broken = broken
+        raise MonoTimeout(f"mono launch: {broken}")
 
     def _stalled_exchange(self, parity: int) -> str:
         """The first exchange, in the launch's order, that misses some rank's push.
@@ -830,12 +883,12 @@ class MonoRank:
         return [t for t, part in enumerate(parts) if t != self.rank and bool(torch.isnan(part.float()).all())]
 
     def reset(self) -> None:
-        """Zero flags, control words and health; epoch 1."""
+        """Zero flags, control words and health; epoch 1 (for every layer on these buffers)."""
         self.flags().zero_()
         self.ctl().zero_()
-        self.health.zero_()
-        self.epoch_word.fill_(1)
-        self.broken = None
+        self.buffers.health.zero_()
+        self.buffers.epoch_word.fill_(1)
+        self.buffers.broken = None
 
     def result(self) -> StagedResult:
         sc = self.scratch()
@@ -853,7 +906,10 @@ def distributed_mono_rank(cfg: K3Config, shard: LayerWeights, tokens: int, layer
     """This process's rank of ``group`` (default: the world), its peer buffers
     set up through symmetric memory over the group (collective: every rank of
     the group calls it with the same cfg, tokens, layer and options). Flags
-    are system-scope: peers write over NVLink or from other processes."""
+    are system-scope: peers write over NVLink or from other processes. The
+    other layers of the same tokens and options take the same buffers
+    (``for_layer``, no collective): every rank then launches the layers in the
+    same order."""
     import torch.distributed as dist
 
     from .peers import symmetric_buffers
@@ -863,10 +919,10 @@ def distributed_mono_rank(cfg: K3Config, shard: LayerWeights, tokens: int, layer
     if shard.tp != tp or shard.rank != rank:
         raise K3InputError(f"shard: expected rank {rank} of {tp} (the group's), got rank {shard.rank} of {shard.tp}")
     key = mono_key(cfg, tokens, tp, layer, loopback=False, sms=device_sms(device), options=options, scope="sys")
-    buffers, handle = symmetric_buffers(buffer_bytes(build(key).peer), device, group)
-    state = MonoRank(key, shard, rank, buffers[rank], buffers, layer=layer, spin_limit=spin_limit, device=device)
-    state.symmetric_handle = handle
-    return state
+    peers, handle = symmetric_buffers(buffer_bytes(build(key).peer), device, group)
+    buffers = RankBuffers.allocate(build(key), peers[rank], peers)
+    buffers.symmetric_handle = handle
+    return MonoRank(key, shard, rank, buffers, layer=layer, spin_limit=spin_limit)
 
 
 def launch_concurrently(ranks, streams, events=None) -> None:
@@ -951,11 +1007,24 @@ class MonoRunner:
         # tiles.expert_mma: each distinct expert tensor in mma order once, for every rank and the staged prewrite
         self.expert_words = MmaOrderCache() if self.key.tiles.expert_mma else None
         self.rank_states = [
-            MonoRank(self.key, self.shards[r], r, buffers[r], [buffers[r]] if self.loopback else buffers,
-                     layer=layer, spin_limit=spin, device=self.device, expert_words=self.expert_words)
+            MonoRank(self.key, self.shards[r], r,
+                     RankBuffers.allocate(self.compiled, buffers[r], [buffers[r]] if self.loopback else buffers),
+                     layer=layer, spin_limit=spin, expert_words=self.expert_words)
             for r in self.ranks
         ]
         self._staged = None
+
+    def for_layer(self, layer: int, shards) -> "MonoRunner":
+        """A runner of ``layer`` (``shards``: its weights, one a rank) on this
+        runner's buffers (MonoRank.for_layer): one set of buffers serves every
+        layer of a token count. The two runners' calls run one after the other."""
+        if _check_shards(self.cfg, shards) != self.tp:
+            raise K3InputError(f"shards: expected {self.tp} (this runner's ranks), got {len(shards)}")
+        other = copy.copy(self)
+        other.shards, other.layer, other._staged = list(shards), layer, None
+        other.rank_states = [rank.for_layer(layer, shard) for rank, shard in zip(self.rank_states, shards)]
+        other.key, other.compiled = other.rank_states[0].key, other.rank_states[0].compiled
+        return other
 
     @property
     def ranks(self) -> range:
@@ -963,7 +1032,7 @@ class MonoRunner:
 
     @property
     def health(self) -> list[torch.Tensor]:
-        return [r.health for r in self.rank_states]
+        return [r.buffers.health for r in self.rank_states]
 
     # -- views of rank ``rank`` -------------------------------------------------------------
     def parity_views(self, rank: int, parity: int) -> dict:
@@ -1017,7 +1086,7 @@ class MonoRunner:
         elif m1c_in is not None:
             raise K3InputError("m1c_in: this MonoRunner runs no M1c (options.m1c unset): expected None")
         for r, rank in enumerate(self.rank_states):
-            splits = split_outputs(self.key, rank.scratch_buffer)
+            splits = split_outputs(self.key, rank.buffers.scratch)
             check_m1b_inputs(self.key, m1b_in[r], rank.core, splits)
             check_m1c_inputs(self.key, None if m1c_in is None else m1c_in[r], splits)
             if m1c_in is not None:

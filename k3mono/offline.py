@@ -150,7 +150,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     (mono.MonoBuild; None: mono.DEFAULT_PREFETCH)."""
     from .bench_mla import FOLD_SPLITS, PAGE_SIZE, m1b_inputs, mla_layer_inputs
     from .kernels import mono as mono_kernels
-    from .mono import DEFAULT_PREFETCH, MonoRank, buffer_bytes, build, default_options, mono_key
+    from .mono import DEFAULT_PREFETCH, MonoRank, RankBuffers, buffer_bytes, build, default_options, mono_key
     from .planner import M1bShape, M1cShape
     from .synthetic import random_inputs
 
@@ -161,7 +161,8 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options, max_registers=max_registers,
                    trace=trace, prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch)
     buffers = [torch.zeros(buffer_bytes(build(key).peer), dtype=torch.uint8) for _ in range(1 if loopback else tp)]
-    rank = MonoRank(key, empty_shard(cfg, tp), 0, buffers[0], buffers, layer=LAYER, spin_limit=1, device="cpu")
+    rank = MonoRank(key, empty_shard(cfg, tp), 0, RankBuffers.allocate(build(key), buffers[0], buffers), layer=LAYER,
+                    spin_limit=1)
     inputs = random_inputs(cfg, tokens, LAYER, seed=0)
     if mla == "m1b":
         rank.load_m1b_inputs(m1b_inputs(cfg, tokens, tp, "cpu", seed=0), inputs["prefix"], inputs["blocks"])

@@ -486,8 +486,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         raise ValueError(f"stage_geometry: tokens must be 1..{MAX_TOKENS}, got {tokens}")
     tiles.check()
     step_kb = tiles.dense_step_kb
-    H, C, E, L = cfg.hidden_size, cfg.core_width, cfg.num_experts, cfg.routed_expert_hidden_size
-    I, SI = cfg.moe_intermediate_size, cfg.shared_intermediate
+    H, C, E, L, I, SI = cfg.matrix_dims
     use_dot = tokens > FMA_MAX_TOKENS
     return StageGeometry(
         tokens=tokens,

@@ -175,7 +175,7 @@ def mono_rank_worker(rank: int, tp: int, job: RanksJob, host_buffers) -> RankRep
     """One process's rank (ranks.spawn_ranks calls it in the job's process group)."""
     import torch.distributed as dist
 
-    from .mono import MonoRank, device_sms, distributed_mono_rank, mono_key
+    from .mono import MonoRank, RankBuffers, build, device_sms, distributed_mono_rank, mono_key
 
     device = _rank_device(job, rank)
     cfg, my_shard = _rank_shard(job, rank, device)
@@ -183,8 +183,8 @@ def mono_rank_worker(rank: int, tp: int, job: RanksJob, host_buffers) -> RankRep
         state = distributed_mono_rank(cfg, my_shard, job.tokens, job.layer, device=device, spin_limit=job.spin_limit)
     else:
         key = mono_key(cfg, job.tokens, tp, job.layer, loopback=False, sms=device_sms(device))
-        state = MonoRank(key, my_shard, rank, host_buffers[rank], host_buffers, layer=job.layer,
-                         spin_limit=job.spin_limit, device=device)
+        buffers = RankBuffers.allocate(build(key), host_buffers[rank], host_buffers)
+        state = MonoRank(key, my_shard, rank, buffers, layer=job.layer, spin_limit=job.spin_limit)
     report = RankReport(rank)
     try:
         _eager_runs(job, cfg, state, report, device)

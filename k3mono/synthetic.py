@@ -52,14 +52,7 @@ def _experts(g: torch.Generator, experts: int, rows: int, cols: int) -> tuple[to
 def random_layer(cfg: K3Config, seed: int) -> LayerWeights:
     """A whole layer (tp = 1) of random weights; the same seed gives the same bits."""
     g = torch.Generator().manual_seed(seed)
-    H, C, E, L, I, SI = (
-        cfg.hidden_size,
-        cfg.core_width,
-        cfg.num_experts,
-        cfg.routed_expert_hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.shared_intermediate,
-    )
+    H, C, E, L, I, SI = cfg.matrix_dims
     o_proj = _matrix(g, H, C)
     ares_norm = _norm_weight(g, H)
     # k_i has unit RMS, so s_i = sum_d k_i[d] * norm[d] * proj[d] is ~N(0, 1).

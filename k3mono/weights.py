@@ -70,14 +70,7 @@ class LayerWeights:
 
 def shard_shapes(cfg: K3Config, tp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Field -> (shape, dtype) of one rank's shard (the whole layer at tp = 1)."""
-    H, C, E, L, I, SI = (
-        cfg.hidden_size,
-        cfg.core_width,
-        cfg.num_experts,
-        cfg.routed_expert_hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.shared_intermediate,
-    )
+    H, C, E, L, I, SI = cfg.matrix_dims
     G = MXFP4_GROUP
     return {
         "o_proj": ((H, C // tp), BF16),

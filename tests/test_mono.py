@@ -127,6 +127,66 @@ def test_two_launches_flip_parity_without_host_reset():
         assert runner.health[r].tolist()[0] == 0
 
 
+def test_layers_take_turns_on_one_set_of_buffers():
+    """An engine holds one set of buffers a rank per token count, not one a layer
+    (MonoRank.for_layer): two layers of other weights and AttnRes candidate pads
+    alternate on it, with no host work on flags or counters between them, each
+    right against its own reference, the epoch and the flags counting every
+    launch whichever layer ran it, the parities alternating across layers."""
+    cfg, tp, tokens = preset("tiny"), 2, 1
+    layers = {13: shard_all(layer_weights(), cfg, tp), 92: shard_all(layer_weights(seed=1), cfg, tp)}
+    first = MonoRunner(cfg, layers[13], tokens, 13)
+    second = first.for_layer(92, layers[92])
+    assert second.key.cands != first.key.cands and second.compiled.table.tasks == first.compiled.table.tasks
+    for a, b in zip(first.rank_states, second.rank_states):
+        assert b.buffers is a.buffers and b.out is not a.out
+    counts = _waited_counts(first)
+    outs = []
+    for launch, (runner, layer) in enumerate([(first, 13), (second, 92), (first, 13)], start=1):
+        inputs = random_inputs(cfg, tokens, layer, seed=40 + launch, nb_max=cfg.num_blocks(layer) + 1)
+        got = runner(**inputs)
+        check_against_reference(cfg, layers[layer], inputs, layer, got)
+        outs.append((runner.rank_states[0].out, got.moe_out))
+        assert all(torch.equal(bits(out), bits(want)) for out, want in outs[-2:]), "a layer's out was overwritten"
+        for r in range(tp):
+            assert first.epoch(r) == second.epoch(r) == launch + 1
+            assert torch.isfinite(runner.parity_views(r, launch & 1)["ar1"][r]).all()
+            flags = first.flags(r).tolist()
+            assert all(flags[w] == launch * c for w, c in counts.items())
+
+
+def test_a_layer_for_other_buffers_is_refused_before_any_launch(mono_launches):
+    """for_layer takes that layer's shard of the same rank, on the same device."""
+    cfg, tokens = preset("tiny"), 1
+    runner = MonoRunner(cfg, shard_all(layer_weights(), cfg, 2), tokens, 13)
+    other = shard_all(layer_weights(seed=1), cfg, 2)
+    with pytest.raises(K3InputError, match=r"^shards\[1\]: expected rank 1 of 2, got rank 0 of 2"):
+        runner.for_layer(92, [other[0], other[0]])
+    with pytest.raises(K3InputError, match=r"^shard: expected rank 0 of 2 \(this rank's\), got rank 1 of 2"):
+        runner.rank_states[0].for_layer(92, other[1])
+    with pytest.raises(K3InputError, match=r"^layer: expected an MoE layer"):
+        runner.rank_states[0].for_layer(0, other[0])
+    with pytest.raises(K3InputError, match=r"^weights.router_bias: expected"):
+        runner.rank_states[0].for_layer(92, replace(other[0], router_bias=other[0].router_bias[:-1]))
+    with pytest.raises(K3InputError, match=r"^shard.o_proj: expected device cpu, got meta"):
+        runner.rank_states[0].for_layer(92, replace(other[0], o_proj=other[0].o_proj.to("meta")))
+    assert len(mono_launches) == 0
+
+
+def test_a_timeout_breaks_every_layer_on_its_buffers():
+    """The flags a failed wait leaves behind are every layer's: another layer's
+    rank on the same buffers refuses to launch until reset()."""
+    runner = _rank_zero_alone()
+    cfg = runner.cfg
+    later = runner.for_layer(92, shard_all(layer_weights(seed=1), cfg, 2))
+    with pytest.raises(MonoTimeout):
+        runner.check_health()
+    with pytest.raises(RuntimeError, match=r"mono rank 0: broken by an earlier timeout \(rank 0 layer 13 "):
+        later.launch(0)
+    later.reset()
+    assert runner.rank_states[0].buffers.broken is None and runner.epoch(0) == 1
+
+
 def _rank_zero_alone() -> MonoRunner:
     """T = 2 without loopback, rank 0 launched alone: rank 1's AR1 pushes never come."""
     cfg, tp, tokens, layer = preset("tiny"), 2, 1, 13
@@ -196,15 +256,15 @@ def test_the_launch_stays_inside_its_buffers():
     cfg, tokens, layer = preset("tiny"), 3, 13
     shards = shard_all(layer_weights(), cfg, 1)
     runner = MonoRunner(cfg, shards, tokens, layer)
-    rank = runner.rank_states[0]
+    buffers = runner.rank_states[0].buffers
     guards = []
-    for name in ("own", "scratch_buffer"):
-        n = getattr(rank, name).numel()
+    for name in ("own", "scratch"):
+        n = getattr(buffers, name).numel()
         big = torch.full((n + 2048,), 0xA5, dtype=torch.uint8)
         big[1024 : 1024 + n] = 0
-        setattr(rank, name, big[1024 : 1024 + n])
+        setattr(buffers, name, big[1024 : 1024 + n])
         guards.append((name, big, n))
-    rank.peers = [rank.own]
+    buffers.peers = [buffers.own]
     runner(**random_inputs(cfg, tokens, layer, seed=8))
     for name, big, n in guards:
         assert (big[:1024] == 0xA5).all() and (big[1024 + n :] == 0xA5).all(), name
@@ -429,10 +489,10 @@ def test_the_expert_weights_must_be_in_the_builds_order(mono_launches):
         options = MonoOptions(tiles=TileChoice(expert_mma=expert_mma))
         runner = MonoRunner(cfg, shard_all(layer_weights(), cfg, 1), tokens, layer, options=options)
         runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=53))
-        rank = runner.rank_states[0]
+        rank, b = runner.rank_states[0], runner.rank_states[0].buffers
         args = dict(core=rank.core, prefix=rank.prefix, blocks=rank.blocks, **rank._args, out=rank.out,
-                    scratch=rank.scratch_buffer, peers=rank.peers, peer_table=rank._peer_table(), rank=0,
-                    epoch=rank.epoch_word, layer=layer, health=rank.health, alarm=rank.spin_limit)
+                    scratch=b.scratch, peers=b.peers, peer_table=b.peer_table(), rank=0, epoch=b.epoch_word,
+                    layer=layer, health=b.health, alarm=rank.spin_limit)
         k2_launch(rank.key, **args)
         swapped = runner.shards[0].w2_packed if expert_mma else mma_order(runner.shards[0].w2_packed)
         want = "torch.int32" if expert_mma else "torch.uint8"
@@ -454,12 +514,12 @@ def test_a_bad_peer_table_is_named_before_any_launch(bad, message, mono_launches
     cfg, tokens, layer = preset("tiny"), 1, 13
     runner = MonoRunner(cfg, shard_all(layer_weights(), cfg, 2), tokens, layer, loopback=False)
     runner.load_inputs(**random_inputs(cfg, tokens, layer, seed=51))
-    rank = runner.rank_states[0]
+    rank, b = runner.rank_states[0], runner.rank_states[0].buffers
     args = dict(core=rank.core, prefix=rank.prefix, blocks=rank.blocks, **rank._args, out=rank.out,
-                scratch=rank.scratch_buffer, peers=rank.peers, rank=0, epoch=rank.epoch_word, layer=layer,
-                health=rank.health, alarm=rank.spin_limit)
-    k2_launch(rank.key, peer_table=rank._peer_table(), **args)
+                scratch=b.scratch, peers=b.peers, rank=0, epoch=b.epoch_word, layer=layer, health=b.health,
+                alarm=rank.spin_limit)
+    k2_launch(rank.key, peer_table=b.peer_table(), **args)
     assert len(launches) == 1
     with pytest.raises(K3InputError, match=message):
-        k2_launch(rank.key, peer_table=bad(rank._peer_table()), **args)
+        k2_launch(rank.key, peer_table=bad(b.peer_table()), **args)
     assert len(launches) == 1
