@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     ranks.add_argument("--checkpoint", type=Path, default=None, help="default: seeded random weights of --preset")
     ranks.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: kimi-k3 on a GPU, tiny on the CPU")
     ranks.add_argument("--layer", type=int, default=13)
+    ranks.add_argument("--other-layers", type=int, nargs="*", default=[],
+                       help="procs: these layers too, on the same buffers, the input sets in turn over the layers")
     ranks.add_argument("--mode", default="procs", choices=["procs", "green", "streams"],
                        help="procs: a process a rank (symmetric memory); green: green contexts of one GPU; "
                        "streams: plain streams of one GPU")
@@ -117,11 +119,12 @@ def cmd_ranks(args) -> int:
         replays=args.replays if args.replays is not None else (100 if device == "cuda" else 0),
         preset=args.preset or ("kimi-k3" if device == "cuda" else "tiny"),
         checkpoint=str(args.checkpoint) if args.checkpoint else None, device=device, mode=args.mode,
-        absent=args.absent, unfused=args.unfused,
+        absent=args.absent, unfused=args.unfused, other_layers=tuple(args.other_layers),
     )
     job.config().validate_tp(job.tp)
     print(
-        f"ranks: T={job.tp} S={job.tokens} layer {job.layer} mode {job.mode} device {device} "
+        f"ranks: T={job.tp} S={job.tokens} layer{'s' if job.other_layers else ''} "
+        f"{' '.join(map(str, job.layers))} mode {job.mode} device {device} "
         f"weights {job.checkpoint or 'random ' + job.preset} input sets {job.input_sets} replays {job.replays}"
         + (f" absent rank {job.absent}" if job.absent is not None else ""),
         flush=True,

@@ -70,6 +70,7 @@ class RanksJob:
     mode: str = "procs"
     absent: int | None = None
     unfused: bool = False  # also time the unfused path with collective exchanges (procs, one GPU a rank)
+    other_layers: tuple = ()  # procs: more layers on the same buffers (MonoRank.for_layer), input sets in turn
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -82,6 +83,18 @@ class RanksJob:
             raise K3InputError(f"input_sets: expected at least 1, got {self.input_sets}")
         if self.unfused and (self.device == "cpu" or self.mode != "procs"):
             raise K3InputError("ranks --unfused: the NCCL baseline runs in procs mode on GPUs (one a rank)")
+        if self.other_layers and self.mode != "procs":
+            raise K3InputError("ranks --other-layers: runs in procs mode (one MonoRank a process)")
+        if len(self.layers) > self.input_sets:
+            raise K3InputError(f"input_sets: expected at least one a layer ({len(self.layers)}), got {self.input_sets}")
+
+    @property
+    def layers(self) -> tuple:
+        """Every layer of the run; input set i runs layer_of(i)."""
+        return (self.layer, *self.other_layers)
+
+    def layer_of(self, index: int) -> int:
+        return self.layers[index % len(self.layers)]
 
     @property
     def spin_limit(self) -> int:
@@ -92,28 +105,32 @@ class RanksJob:
         return FAULT_SPIN if self.absent is not None else CPU_SPIN
 
     def config(self) -> K3Config:
-        """The run's config (the checkpoint's, or the preset), its layer validated."""
+        """The run's config (the checkpoint's, or the preset), its layers validated."""
         if self.checkpoint is not None:
             from .checkpoint import check_layer
 
-            return check_layer(self.checkpoint, self.layer)[0]
+            configs = [check_layer(self.checkpoint, layer)[0] for layer in self.layers]
+            return configs[0]
         cfg = preset(self.preset)
-        cfg.validate_layer(self.layer)
+        for layer in self.layers:
+            cfg.validate_layer(layer)
         return cfg
 
-    def weights(self, device) -> tuple[K3Config, LayerWeights]:
-        """The whole layer on ``device``: the checkpoint's, or seeded random ones."""
+    def weights(self, device, layer: int | None = None) -> tuple[K3Config, LayerWeights]:
+        """The whole of ``layer`` (default: the first) on ``device``: the checkpoint's,
+        or seeded random ones (another seed a layer)."""
+        layer = self.layer if layer is None else layer
         if self.checkpoint is not None:
             from .checkpoint import load_layer
 
-            cfg, full = load_layer(self.checkpoint, self.layer)
+            cfg, full = load_layer(self.checkpoint, layer)
             return cfg, full.to(device)
         cfg = self.config()
-        return cfg, random_shard(cfg, 1, self.seed, device)
+        return cfg, random_shard(cfg, 1, self.seed + self.layers.index(layer), device)
 
     def inputs(self, cfg: K3Config, index: int, device) -> dict:
-        """Input set ``index`` (the same on every rank)."""
-        made = random_inputs(cfg, self.tokens, self.layer, seed=1000 * (self.seed + 1) + index)
+        """Input set ``index`` (the same on every rank), for layer_of(index)."""
+        made = random_inputs(cfg, self.tokens, self.layer_of(index), seed=1000 * (self.seed + 1) + index)
         return {name: t.to(device) for name, t in made.items()}
 
 
@@ -154,15 +171,15 @@ def _rank_device(job: RanksJob, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _rank_shard(job: RanksJob, rank: int, device) -> tuple[K3Config, LayerWeights]:
-    """This rank's shard; the ranks make their whole layers one after another, so
-    only one whole layer is in memory at a time (T of them on one GPU would not fit)."""
+def _rank_shard(job: RanksJob, rank: int, device, layer: int) -> tuple[K3Config, LayerWeights]:
+    """This rank's shard of ``layer``; the ranks make their whole layers one after another,
+    so only one whole layer is in memory at a time (T of them on one GPU would not fit)."""
     import torch.distributed as dist
 
     mine = None
     for turn in range(job.tp):
         if turn == rank:
-            cfg, full = job.weights(device)
+            cfg, full = job.weights(device, layer)
             mine = shard(full, cfg, job.tp, rank)
             del full
             if device.type == "cuda":
@@ -178,18 +195,21 @@ def mono_rank_worker(rank: int, tp: int, job: RanksJob, host_buffers) -> RankRep
     from .mono import MonoRank, RankBuffers, build, device_sms, distributed_mono_rank, mono_key
 
     device = _rank_device(job, rank)
-    cfg, my_shard = _rank_shard(job, rank, device)
+    cfg, my_shard = _rank_shard(job, rank, device, job.layer)
     if device.type == "cuda":
         state = distributed_mono_rank(cfg, my_shard, job.tokens, job.layer, device=device, spin_limit=job.spin_limit)
     else:
         key = mono_key(cfg, job.tokens, tp, job.layer, loopback=False, sms=device_sms(device))
         buffers = RankBuffers.allocate(build(key), host_buffers[rank], host_buffers)
         state = MonoRank(key, my_shard, rank, buffers, layer=job.layer, spin_limit=job.spin_limit)
+    states = {job.layer: state}
+    for layer in job.other_layers:  # the same buffers: one set a rank, whatever the layer
+        states[layer] = state.for_layer(layer, _rank_shard(job, rank, device, layer)[1])
     report = RankReport(rank)
     try:
-        _eager_runs(job, cfg, state, report, device)
+        _eager_runs(job, cfg, states, report, device)
         if job.replays and report.error is None:
-            _graph_replays(job, cfg, state, report, device)
+            _graph_replays(job, cfg, states, report, device)
         if job.unfused and report.error is None:
             report.unfused_us = _time_unfused(job, cfg, my_shard, rank, device)
     finally:
@@ -197,12 +217,14 @@ def mono_rank_worker(rank: int, tp: int, job: RanksJob, host_buffers) -> RankRep
     return report
 
 
-def _eager_runs(job, cfg, state, report, device) -> None:
+def _eager_runs(job, cfg, states, report, device) -> None:
+    """Input set i on layer_of(i)'s rank state."""
     import torch.distributed as dist
 
     from .mono import MonoTimeout
 
     for index in range(job.input_sets):
+        state = states[job.layer_of(index)]
         inputs = job.inputs(cfg, index, device)
         state.load_inputs(**inputs)
         state.poison(peer_regions=True)
@@ -221,25 +243,30 @@ def _eager_runs(job, cfg, state, report, device) -> None:
         report.eager.append(_outputs(state.result()))
 
 
-def _graph_replays(job, cfg, state, report, device) -> None:
-    """Capture the launch once; replay it with fresh inputs copied into the same
-    buffers, no barrier between replays (the parities keep epochs apart)."""
+def _graph_replays(job, cfg, states, report, device) -> None:
+    """Capture each layer's launch once; replay them with fresh inputs copied into
+    the same buffers, input set i on layer_of(i)'s graph, no barrier between
+    replays (the parities keep epochs apart)."""
     from .mono import MonoTimeout
 
     sets = [job.inputs(cfg, index, device) for index in range(job.input_sets)]
-    static_blocks = sets[0]["blocks"].clone()
-    state.load_inputs(sets[0]["core"], sets[0]["prefix"], static_blocks)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        state.launch()
+    graphs, static_blocks = {}, {}
+    for index, layer in enumerate(job.layers):  # input set i < len(layers) is layer i's first
+        static_blocks[layer] = sets[index]["blocks"].clone()
+        states[layer].load_inputs(sets[index]["core"], sets[index]["prefix"], static_blocks[layer])
+        graphs[layer] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[layer]):
+            states[layer].launch()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for replay in range(job.replays):
-        inputs = sets[replay % job.input_sets]
-        static_blocks.copy_(inputs["blocks"])
-        state.load_inputs(inputs["core"], inputs["prefix"], static_blocks)
+        index = replay % job.input_sets
+        layer = job.layer_of(index)
+        state, inputs = states[layer], sets[index]
+        static_blocks[layer].copy_(inputs["blocks"])
+        state.load_inputs(inputs["core"], inputs["prefix"], static_blocks[layer])
         state.poison(peer_regions=False)
         start.record()
-        graph.replay()
+        graphs[layer].replay()
         end.record()
         torch.cuda.synchronize(device)
         try:
@@ -249,7 +276,7 @@ def _graph_replays(job, cfg, state, report, device) -> None:
             return
         report.launch_us.append(1000 * start.elapsed_time(end))
         report.replays += 1
-        report.replay_mismatches += not _same_bits(_outputs(state.result()), report.eager[replay % job.input_sets])
+        report.replay_mismatches += not _same_bits(_outputs(state.result()), report.eager[index])
 
 
 def _time_unfused(job, cfg, my_shard, rank: int, device) -> float:
@@ -416,12 +443,14 @@ def judge(job: RanksJob, reports: list[RankReport]) -> RanksVerdict:
     if errors:
         return RanksVerdict(lines, False)
     device = torch.device(job.device if job.device == "cpu" else "cuda")
-    cfg, full = job.weights(device)
     verdicts = []
-    for index in range(job.input_sets):
-        oracle = Oracle(cfg, full, job.inputs(cfg, index, device), job.layer)
-        verdicts.append(oracle.judge(reports[0].eager[index]))
-    del full
+    for layer in job.layers:
+        cfg, full = job.weights(device, layer)
+        for index in range(job.input_sets):
+            if job.layer_of(index) == layer:
+                oracle = Oracle(cfg, full, job.inputs(cfg, index, device), layer)
+                verdicts.append(oracle.judge(reports[0].eager[index]))
+        del full
     for report in reports:
         shared = all(_same_bits(report.eager[i], reports[0].eager[i]) for i in range(job.input_sets))
         rank_ok = shared and all(v.ok for v in verdicts) and report.replay_mismatches == 0

@@ -76,6 +76,33 @@ def test_four_mono_ranks_in_processes():
     assert [r.rank for r in reports] == [0, 1, 2, 3] and all(len(r.eager) == 1 for r in reports)
 
 
+def test_mono_ranks_in_processes_take_layers_in_turn_on_one_set_of_buffers(capsys):
+    """An engine's ranks run every layer on one set of buffers (MonoRank.for_layer,
+    peers from one collective set-up): input sets alternate between two layers of
+    other weights, each judged against its own layer's oracle."""
+    from k3mono.cli import main
+
+    assert main(["ranks", "--tp", "2", "--device", "cpu", "--other-layers", "92", "--input-sets", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "layers 13 92 " in table
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert all(row[1] == "identical" and row[-1] == "ok" for row in rows), table
+
+
+def test_other_layers_are_checked_before_anything_spawns(capsys):
+    from k3mono.cli import main
+    from k3mono.errors import K3InputError
+    from k3mono.rankjob import RanksJob
+
+    with pytest.raises(K3InputError, match="procs mode"):
+        RanksJob(tp=2, mode="green", device="cuda", other_layers=(92,))
+    with pytest.raises(K3InputError, match=r"input_sets: expected at least one a layer \(3\), got 2"):
+        RanksJob(tp=2, other_layers=(25, 92))
+    assert main(["ranks", "--tp", "2", "--device", "cpu", "--other-layers", "0"]) == 2
+    assert "layer: expected an MoE layer" in capsys.readouterr().err
+
+
 def test_a_mono_rank_that_never_launches_stops_the_others_naming_it(capsys):
     """Rank 2 never launches: ranks 0, 1, 3 time out on their first exchange and say
     that nothing arrived from rank 2; every process exits."""
