@@ -96,6 +96,8 @@ for s in $STEPS; do
         for T in 2 4 8; do  # the small preset: tiny's 4 heads do not split 8 ways
             step "ranks_procs_t$T" 120 python3 -m k3mono ranks --tp "$T" --tokens 3 --mode procs --preset small --replays 100 --out "$RESULTS"
         done
+        step ranks_procs_layers 120 python3 -m k3mono ranks --tp 2 --tokens 3 --mode procs --preset small --replays 20 \
+            --other-layers 92 --out "$RESULTS"
         faults ;;
     faults)
         faults ;;
@@ -216,7 +218,9 @@ for s in $STEPS; do
         T=$(nvidia-smi -L | wc -l)
         for S in 1 4 16; do
             step "ranks_gpus_t${T}_s${S}" 300 python3 -m k3mono ranks --tp "$T" --tokens "$S" --replays 100 --unfused --out "$RESULTS"
-        done ;;
+        done
+        step "ranks_gpus_t${T}_layers" 300 python3 -m k3mono ranks --tp "$T" --tokens 1 --replays 100 --other-layers 92 \
+            --out "$RESULTS" ;;
     *)
         echo "unknown step $s" ;;
     esac

@@ -501,7 +501,8 @@ def write_json(job: RanksJob, reports: list[RankReport], verdict: RanksVerdict, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fault = f"-absent{job.absent}" if job.absent is not None else ""
-    path = out_dir / f"ranks-{meta['date']}-{meta['commit']}-{job.mode}-T{job.tp}-S{job.tokens}{fault}.json"
+    layers = "-layers-" + "-".join(map(str, job.layers)) if job.other_layers else ""
+    path = out_dir / f"ranks-{meta['date']}-{meta['commit']}-{job.mode}-T{job.tp}-S{job.tokens}{layers}{fault}.json"
     path.write_text(json.dumps(record, indent=1))
     return str(path)
 
