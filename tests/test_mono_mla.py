@@ -109,11 +109,29 @@ def test_mono_with_m1b_matches_the_reference_chain_and_the_staged_m1b(tp, tokens
     same_as_staged_chain(cfg, shards, tokens, m1b_in, act, runner)
 
 
-def judge_chain(cfg, weights, shards, act, got, core, exact_core):
+def test_mla_layers_take_turns_on_one_set_of_buffers():
+    """An MLA build's buffers serve its other layers too (MonoRank.for_layer):
+    each launch's M1b writes its own layer's core, and each layer's chain is
+    right against its own reference."""
+    cfg, tokens = preset("tiny"), 1
+    weights = {LAYER: layer_weights(), 92: random_layer(cfg, 1)}
+    first = mla_runner(cfg, [weights[LAYER]], tokens, torch.bfloat16)
+    second = first.for_layer(92, [weights[92]])
+    assert second.key.m1b == first.key.m1b and second.rank_states[0].core is not first.rank_states[0].core
+    for launch, (runner, layer) in enumerate([(second, 92), (first, LAYER)], start=1):
+        act = random_inputs(cfg, tokens, layer, seed=60 + launch)
+        m1b_in = m1b_inputs(cfg, 1, tokens, torch.bfloat16, seed=70 + launch)
+        got = runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
+        judge_chain(cfg, weights[layer], [weights[layer]], act, got, reference_core(m1b_in, "bf16"),
+                    reference_core(m1b_in, "oracle"), layer)
+        assert first.epoch() == second.epoch() == launch + 1
+
+
+def judge_chain(cfg, weights, shards, act, got, core, exact_core, layer=LAYER):
     """Routes equal the bf16 reference chain's (its core -> layer_post); moe_out,
     prefix and route_weights within budget of the float64 chain's (exact core)."""
     tp = len(shards)
-    args = dict(prefix=act["prefix"], blocks=act["blocks"], layer=LAYER, cfg=cfg)
+    args = dict(prefix=act["prefix"], blocks=act["blocks"], layer=layer, cfg=cfg)
     want = layer_post(core, **args, weights=weights) if tp == 1 else layer_post_tp(core, **args, shards=shards)
     assert torch.equal(got.route_ids, want.route_ids), "routes differ from the bf16 reference chain"
     exact = layer_post(exact_core, **args, weights=weights, mode="oracle", forced_routes=got.route_ids)
