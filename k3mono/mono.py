@@ -84,7 +84,7 @@ from .mxfp4 import MmaOrderCache
 from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
                       next_pow2, plan, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
-from .validate import check_layer_inputs
+from .validate import check_blocks, check_layer_inputs
 from .weights import LayerWeights, check_weights
 
 CTL_WORDS = 2  # ticket counter, CTAs done
@@ -791,6 +791,28 @@ class MonoRank:
         self.core.copy_(core[:, self.rank * width : (self.rank + 1) * width])
         self.prefix.copy_(prefix)
         self.blocks = blocks
+
+    def bind(self, core, prefix, blocks, out) -> None:
+        """The caller's own tensors in place of this rank's copies (plain layers):
+        the launch reads core [S, C/T] (this rank's columns; a column view of the
+        whole core is fine) and blocks [S, nb_max, H], updates prefix [S, H] in
+        place and writes out [S, H], all bf16 on the buffers' device with unit
+        stride in the last dim. An engine binds its activation tensors once and
+        captures launch() alone: one kernel a layer in its graph, no copies beside
+        it. Checked here, before any launch; load_inputs then copies into them."""
+        if self.key.m1b is not None:
+            raise K3InputError("core: this rank's launch runs M1b and writes core itself; bind takes plain layers")
+        cfg, S, dev = self.key.cfg, self.key.tokens, self.buffers.own.device
+        expect_tensor("core", core, (S, cfg.core_width // self.key.tp), torch.bfloat16)
+        expect_tensor("prefix", prefix, (S, cfg.hidden_size), torch.bfloat16)
+        check_blocks(cfg, self.layer, blocks, S)
+        expect_tensor("out", out, (S, cfg.hidden_size), torch.bfloat16)
+        for name, t in (("core", core), ("prefix", prefix), ("blocks", blocks), ("out", out)):
+            if t.device != dev:
+                raise K3InputError(f"{name}: expected device {dev}, got {t.device}")
+            if t.stride(-1) != 1:
+                raise K3InputError(f"{name}: expected unit stride in the last dim, got {t.stride(-1)}")
+        self.core, self.prefix, self.blocks, self.out = core, prefix, blocks, out
 
     def load_m1b_inputs(self, m1b_in, prefix, blocks, m1c_in=None) -> None:
         """An MLA layer (M1b build): this rank's heads' M1b inputs (checked, then

@@ -34,10 +34,16 @@ def check_layer_inputs(cfg: K3Config, layer: int, core, prefix, blocks, *, core_
     check_tokens(tokens)
     expect_tensor("core", core, (tokens, C), core_dtype)
     expect_tensor("prefix", prefix, (tokens, H), torch.bfloat16)
+    check_blocks(cfg, layer, blocks, tokens)
+    return tokens
+
+
+def check_blocks(cfg: K3Config, layer: int, blocks, tokens: int) -> None:
+    """blocks [S, nb_max, H] bf16 with at least the layer's AttnRes blocks."""
+    H = cfg.hidden_size
     if not isinstance(blocks, torch.Tensor) or blocks.dim() != 3 or blocks.shape[0] != tokens or blocks.shape[2] != H:
         raise K3InputError(f"blocks: expected shape [{tokens}, nb_max, {H}], got {_shape(blocks)}")
     nb = cfg.num_blocks(layer)
     if blocks.shape[1] < nb:
         raise K3InputError(f"blocks: expected at least {nb} AttnRes blocks for layer {layer}, got {blocks.shape[1]}")
     expect_tensor("blocks", blocks, tuple(blocks.shape), torch.bfloat16)
-    return tokens

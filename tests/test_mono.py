@@ -24,7 +24,7 @@ from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOW
                          MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, mono_key, peer_regions,
                          scratch_regions)
 from k3mono.mxfp4 import mma_order
-from k3mono.planner import COL, MonoOptions, TaskKind, TileChoice, expert_mma_tile
+from k3mono.planner import COL, M1bShape, MonoOptions, TaskKind, TileChoice, expert_mma_tile
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
@@ -185,6 +185,50 @@ def test_a_timeout_breaks_every_layer_on_its_buffers():
         later.launch(0)
     later.reset()
     assert runner.rank_states[0].buffers.broken is None and runner.epoch(0) == 1
+
+
+def test_a_rank_bound_to_the_callers_tensors_launches_with_no_copies():
+    """An engine's activation tensors bound once (MonoRank.bind): the launch reads
+    its core in place, updates its prefix in place and writes its out, the bits
+    of the runner's launch on copies."""
+    cfg, tokens, layer = preset("tiny"), 3, 13
+    shards = shard_all(layer_weights(), cfg, 1)
+    inputs = random_inputs(cfg, tokens, layer, seed=21, nb_max=cfg.num_blocks(layer) + 2)
+    want = MonoRunner(cfg, shards, tokens, layer)(**inputs)
+    rank = MonoRunner(cfg, shards, tokens, layer).rank_states[0]
+    core, prefix, blocks = (inputs[name].clone() for name in ("core", "prefix", "blocks"))
+    out = torch.full((tokens, cfg.hidden_size), float("nan"), dtype=torch.bfloat16)
+    rank.bind(core, prefix, blocks, out)
+    rank.launch()
+    rank.check_health()
+    assert torch.equal(bits(out), bits(want.moe_out)) and torch.equal(bits(prefix), bits(want.prefix))
+    assert rank.core is core and torch.equal(core, inputs["core"]) and rank.out is out
+
+
+def test_bound_tensors_are_checked_before_any_launch(mono_launches):
+    cfg, tokens, layer = preset("tiny"), 2, 13
+    shards = shard_all(layer_weights(), cfg, 2)
+    rank = MonoRunner(cfg, shards, tokens, layer).rank_states[1]
+    inputs = random_inputs(cfg, tokens, layer, seed=22)
+    width, H = cfg.core_width // 2, cfg.hidden_size
+    good = dict(core=inputs["core"][:, width:], prefix=inputs["prefix"], blocks=inputs["blocks"],
+                out=torch.empty(tokens, H, dtype=torch.bfloat16))
+    rank.bind(**good)
+    assert rank.core.data_ptr() == inputs["core"][:, width:].data_ptr()
+    for bad, message in [
+        (dict(core=inputs["core"]), rf"^core: expected shape \[{tokens}, {width}\], got \[{tokens}, {2 * width}\]"),
+        (dict(prefix=inputs["prefix"][:1]), rf"^prefix: expected shape \[{tokens}, {H}\]"),
+        (dict(out=good["out"].float()), r"^out: expected dtype torch.bfloat16, got torch.float32"),
+        (dict(out=torch.empty(H, tokens, dtype=torch.bfloat16).t()), r"^out: expected unit stride in the last dim"),
+        (dict(blocks=inputs["blocks"][:, :1]), r"^blocks: expected at least 2 AttnRes blocks for layer 13"),
+        (dict(prefix=good["prefix"].to("meta")), r"^prefix: expected device cpu, got meta"),
+    ]:
+        with pytest.raises(K3InputError, match=message):
+            rank.bind(**dict(good, **bad))
+    mla = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(m1b=M1bShape(splits=3, latent=32)))
+    with pytest.raises(K3InputError, match="runs M1b and writes core itself"):
+        mla.rank_states[0].bind(**good)
+    assert len(mono_launches) == 0
 
 
 def _rank_zero_alone() -> MonoRunner:
