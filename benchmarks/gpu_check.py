@@ -21,8 +21,9 @@ SMs on another stream while the launch starts: tickets are taken by resident
 CTAs only, so neither may change a bit of the outputs or hang.
 
 The layers section (T = 1, at --layers-tokens) runs LAYER and OTHER_LAYER, other
-weights, on one set of buffers (MonoRunner.for_layer), both launches in one
-CUDA graph, 3 replays with fresh inputs, each layer against its own oracle.
+weights, on one set of buffers (MonoRunner.for_layer), each bound to its own
+activation tensors (MonoRank.bind), both launches in one CUDA graph, 3 replays
+with fresh inputs, each layer against its own oracle.
 
 Prints one line per case and exits non-zero on any failure.
 """
@@ -143,20 +144,22 @@ def launch_layers(runners: dict, sources: dict, routes: dict) -> None:
 
 
 def layers_case(cfg, weights: dict, tokens: int, device, options: MonoOptions) -> int:
-    """Two layers taking turns on one set of buffers (MonoRunner.for_layer), T = 1:
-    both launches captured in one CUDA graph and replayed 3 times, fresh inputs for
-    both before each replay, each layer judged against its own oracle. Returns the
-    number of failures."""
+    """Two layers taking turns on one set of buffers (MonoRunner.for_layer), T = 1,
+    each bound to its own activation tensors (MonoRank.bind: no copies): both
+    launches captured in one CUDA graph and replayed 3 times, fresh inputs copied
+    into the bound tensors before each replay, each layer judged against its own
+    oracle. Returns the number of failures."""
     failures = 0
     started = time.time()
     (first_layer, first_w), (second_layer, second_w) = weights.items()
     first = MonoRunner(cfg, [first_w], tokens, first_layer, options=options)
     runners = {first_layer: first, second_layer: first.for_layer(second_layer, [second_w])}
-    buffers = {layer: {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=layer).items()}
-               for layer in runners}
+    bound = {layer: {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=layer).items()}
+             for layer in runners}
     try:
         for layer, runner in runners.items():
-            runner.load_inputs(**buffers[layer])
+            bound[layer]["out"] = torch.empty((tokens, cfg.hidden_size), dtype=torch.bfloat16, device=device)
+            runner.rank_states[0].bind(**bound[layer])
         # A launch's routes and logits live in the buffers the next layer's launch
         # rewrites: the graph copies them out after each launch. Each replay runs
         # two launches, so a layer always meets the same epoch parity.
@@ -167,26 +170,26 @@ def layers_case(cfg, weights: dict, tokens: int, device, options: MonoOptions) -
         with torch.cuda.graph(graph):
             launch_layers(runners, sources, routes)
         for replay in range(3):
+            inputs = {}
             for layer, runner in runners.items():
-                fresh = random_inputs(cfg, tokens, layer, seed=700 + 10 * replay + layer)
-                for name, t in buffers[layer].items():
-                    t.copy_(fresh[name].to(device))
-                runner.load_inputs(**buffers[layer])
+                inputs[layer] = {k: v.to(device) for k, v in
+                                 random_inputs(cfg, tokens, layer, seed=700 + 10 * replay + layer).items()}
+                for name, t in inputs[layer].items():
+                    bound[layer][name].copy_(t)
                 runner.poison()
             graph.replay()
             torch.cuda.synchronize()
             for layer, runner in runners.items():
                 runner.check_health()
-                rank = runner.rank_states[0]
-                outputs = dict(routes[layer], moe_out=rank.out, prefix=rank.prefix)
+                outputs = dict(routes[layer], moe_out=bound[layer]["out"], prefix=bound[layer]["prefix"])
                 outputs["route_ids"] = outputs["route_ids"].to(torch.int64)
-                verdict = Oracle(cfg, weights[layer], buffers[layer], layer).judge(outputs)
+                verdict = Oracle(cfg, weights[layer], inputs[layer], layer).judge(outputs)
                 failures += not verdict.ok
-                print(f"mono layers {first_layer} and {second_layer} on one set of buffers, graph replay {replay}: "
-                      f"layer {layer} S={tokens:>2}: moe err {verdict.moe_err:.2e} (budget {verdict.moe_budget:.2e}) "
-                      f"prefix err {verdict.prefix_err:.2e} (budget {verdict.prefix_budget:.2e}) routes "
-                      f"{verdict.routes_text} {'ok' if verdict.ok else 'FAIL'} ({time.time() - started:.0f} s)",
-                      flush=True)
+                print(f"mono layers {first_layer} and {second_layer} on one set of buffers, bound tensors, graph "
+                      f"replay {replay}: layer {layer} S={tokens:>2}: moe err {verdict.moe_err:.2e} (budget "
+                      f"{verdict.moe_budget:.2e}) prefix err {verdict.prefix_err:.2e} (budget "
+                      f"{verdict.prefix_budget:.2e}) routes {verdict.routes_text} {'ok' if verdict.ok else 'FAIL'} "
+                      f"({time.time() - started:.0f} s)", flush=True)
     except RuntimeError as error:
         failures += 1
         print(f"mono layers S={tokens:>2}: FAIL {error}", flush=True)
