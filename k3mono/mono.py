@@ -618,6 +618,16 @@ def _register_cap(key: MonoBuild) -> dict:
     return {} if key.max_registers is None or _interpreting() else {"maxnreg": key.max_registers}
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes two tensors span (first element to last) intersect."""
+    def span(t):
+        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
+
+
 def peer_address_table(peers, device) -> torch.Tensor:
     """int64 [NP] on ``device``: each peer buffer's address, in order (k2_launch's peer_table)."""
     return torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
@@ -812,6 +822,11 @@ class MonoRank:
                 raise K3InputError(f"{name}: expected device {dev}, got {t.device}")
             if t.stride(-1) != 1:
                 raise K3InputError(f"{name}: expected unit stride in the last dim, got {t.stride(-1)}")
+        named = {"core": core, "prefix": prefix, "blocks": blocks, "out": out}
+        for written in ("prefix", "out"):  # the launch writes them while it still reads the others
+            for name, t in named.items():
+                if name != written and _overlap(named[written], t):
+                    raise K3InputError(f"{written}: expected memory of its own, got bytes within {name}'s span")
         self.core, self.prefix, self.blocks, self.out = core, prefix, blocks, out
 
     def load_m1b_inputs(self, m1b_in, prefix, blocks, m1c_in=None) -> None:

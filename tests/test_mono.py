@@ -222,6 +222,8 @@ def test_bound_tensors_are_checked_before_any_launch(mono_launches):
         (dict(out=torch.empty(H, tokens, dtype=torch.bfloat16).t()), r"^out: expected unit stride in the last dim"),
         (dict(blocks=inputs["blocks"][:, :1]), r"^blocks: expected at least 2 AttnRes blocks for layer 13"),
         (dict(prefix=good["prefix"].to("meta")), r"^prefix: expected device cpu, got meta"),
+        (dict(out=good["prefix"]), r"^prefix: expected memory of its own, got bytes within out's span"),
+        (dict(out=inputs["blocks"][:, 0]), r"^out: expected memory of its own, got bytes within blocks's span"),
     ]:
         with pytest.raises(K3InputError, match=message):
             rank.bind(**dict(good, **bad))
