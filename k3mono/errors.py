@@ -28,3 +28,16 @@ def expect_dtype(name: str, tensor, dtype: torch.dtype) -> None:
         raise K3InputError(f"{name}: expected a {dtype} tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype:
         raise K3InputError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
+
+
+def check_unit_stride(*named) -> None:
+    for name, t in named:
+        if t.stride(-1) != 1:
+            raise K3InputError(f"{name}: expected unit stride along the last dim, got strides {list(t.stride())}")
+
+
+def check_same_device(*named) -> None:
+    device = named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise K3InputError(f"{name}: expected device {device} (as {named[0][0]}), got {t.device}")

@@ -78,14 +78,14 @@ from dataclasses import dataclass
 import torch
 
 from .config import MAX_TOKENS, K3Config
-from .errors import K3InputError, expect_dtype, expect_tensor
+from .errors import K3InputError, check_same_device, check_unit_stride, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
 from .mxfp4 import MmaOrderCache
 from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
                       next_pow2, plan, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_blocks, check_layer_inputs
-from .weights import LayerWeights, check_weights
+from .weights import LayerWeights, check_shard
 
 CTL_WORDS = 2  # ticket counter, CTAs done
 DEFAULT_SPIN = 1 << 22
@@ -749,13 +749,9 @@ class MonoRank:
 
         cfg = self.key.cfg
         cfg.validate_layer(layer)
-        if not isinstance(shard, LayerWeights) or (shard.tp, shard.rank) != (self.key.tp, self.rank):
-            got = f"rank {shard.rank} of {shard.tp}" if isinstance(shard, LayerWeights) else type(shard).__name__
-            raise K3InputError(f"shard: expected rank {self.rank} of {self.key.tp} (this rank's), got {got}")
-        check_weights(shard, cfg)
-        for name, t in shard.tensors().items():
-            if t.device != self.buffers.own.device:
-                raise K3InputError(f"shard.{name}: expected device {self.buffers.own.device}, got {t.device}")
+        check_shard("shard", shard, cfg, self.key.tp, self.rank)
+        check_same_device(("the rank's buffers", self.buffers.own),
+                          *((f"shard.{name}", t) for name, t in shard.tensors().items()))
         key = dataclasses.replace(self.key, cands=num_candidates_pad(cfg.num_blocks(layer)))
         return MonoRank(key, shard, self.rank, self.buffers, layer=layer, spin_limit=self.spin_limit,
                         expert_words=self.expert_words)
@@ -812,17 +808,14 @@ class MonoRank:
         it. Checked here, before any launch; load_inputs then copies into them."""
         if self.key.m1b is not None:
             raise K3InputError("core: this rank's launch runs M1b and writes core itself; bind takes plain layers")
-        cfg, S, dev = self.key.cfg, self.key.tokens, self.buffers.own.device
+        cfg, S = self.key.cfg, self.key.tokens
         expect_tensor("core", core, (S, cfg.core_width // self.key.tp), torch.bfloat16)
         expect_tensor("prefix", prefix, (S, cfg.hidden_size), torch.bfloat16)
         check_blocks(cfg, self.layer, blocks, S)
         expect_tensor("out", out, (S, cfg.hidden_size), torch.bfloat16)
-        for name, t in (("core", core), ("prefix", prefix), ("blocks", blocks), ("out", out)):
-            if t.device != dev:
-                raise K3InputError(f"{name}: expected device {dev}, got {t.device}")
-            if t.stride(-1) != 1:
-                raise K3InputError(f"{name}: expected unit stride in the last dim, got {t.stride(-1)}")
         named = {"core": core, "prefix": prefix, "blocks": blocks, "out": out}
+        check_same_device(("the rank's buffers", self.buffers.own), *named.items())
+        check_unit_stride(*named.items())
         for written in ("prefix", "out"):  # the launch writes them while it still reads the others
             for name, t in named.items():
                 if name != written and _overlap(named[written], t):

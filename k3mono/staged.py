@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import K3Config
-from .errors import K3InputError
+from .errors import K3InputError, check_same_device
 from .kernels.attnres import launch_attnres
 from .kernels.experts import (launch_expert_down, launch_expert_down_mma, launch_expert_gate_up,
                               launch_expert_gate_up_mma)
@@ -55,7 +55,7 @@ from .layout import layout_bytes, peer_layout, region_views, scratch_layout
 from .mxfp4 import MmaOrderCache
 from .planner import TileChoice, stage_geometry
 from .validate import check_layer_inputs
-from .weights import LayerWeights, check_weights
+from .weights import LayerWeights, check_shard
 
 SLOT_EXCHANGES = ("ar1", "ar2", "ar3")  # all-reduce operands: slot t is rank t's partial
 COLUMN_EXCHANGES = ("logits", "z")  # all-gathers: columns t*n/T .. of rank t
@@ -87,15 +87,10 @@ def _check_shards(cfg: K3Config, shards) -> int:
         raise K3InputError("shards: expected one LayerWeights per rank, got none")
     tp = len(shards)
     cfg.validate_tp(tp)
-    device = shards[0].o_proj.device
     for rank, w in enumerate(shards):
-        if not isinstance(w, LayerWeights) or (w.tp, w.rank) != (tp, rank):
-            got = f"rank {w.rank} of {w.tp}" if isinstance(w, LayerWeights) else type(w).__name__
-            raise K3InputError(f"shards[{rank}]: expected rank {rank} of {tp}, got {got}")
-        check_weights(w, cfg)
-        for name, t in w.tensors().items():
-            if t.device != device:
-                raise K3InputError(f"shards[{rank}].{name}: expected device {device}, got {t.device}")
+        check_shard(f"shards[{rank}]", w, cfg, tp, rank)
+    check_same_device(*((f"shards[{rank}].{name}", t) for rank, w in enumerate(shards)
+                        for name, t in w.tensors().items()))
     return tp
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import MXFP4_GROUP, K3Config
-from .errors import expect_tensor
+from .errors import K3InputError, expect_tensor
 
 BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
 
@@ -98,6 +98,14 @@ def check_weights(weights: LayerWeights, cfg: K3Config) -> None:
     """Every field has its shard's shape and dtype (a clear error otherwise)."""
     for name, (shape, dtype) in shard_shapes(cfg, weights.tp).items():
         expect_tensor(f"weights.{name}", getattr(weights, name), shape, dtype)
+
+
+def check_shard(name: str, weights, cfg: K3Config, tp: int, rank: int) -> None:
+    """``weights`` is rank ``rank`` of ``tp``'s shard of a cfg layer (a clear error otherwise)."""
+    if not isinstance(weights, LayerWeights) or (weights.tp, weights.rank) != (tp, rank):
+        got = f"rank {weights.rank} of {weights.tp}" if isinstance(weights, LayerWeights) else type(weights).__name__
+        raise K3InputError(f"{name}: expected rank {rank} of {tp}, got {got}")
+    check_weights(weights, cfg)
 
 
 def _rows(t: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:

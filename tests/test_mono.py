@@ -162,13 +162,13 @@ def test_a_layer_for_other_buffers_is_refused_before_any_launch(mono_launches):
     other = shard_all(layer_weights(seed=1), cfg, 2)
     with pytest.raises(K3InputError, match=r"^shards\[1\]: expected rank 1 of 2, got rank 0 of 2"):
         runner.for_layer(92, [other[0], other[0]])
-    with pytest.raises(K3InputError, match=r"^shard: expected rank 0 of 2 \(this rank's\), got rank 1 of 2"):
+    with pytest.raises(K3InputError, match=r"^shard: expected rank 0 of 2, got rank 1 of 2"):
         runner.rank_states[0].for_layer(92, other[1])
     with pytest.raises(K3InputError, match=r"^layer: expected an MoE layer"):
         runner.rank_states[0].for_layer(0, other[0])
     with pytest.raises(K3InputError, match=r"^weights.router_bias: expected"):
         runner.rank_states[0].for_layer(92, replace(other[0], router_bias=other[0].router_bias[:-1]))
-    with pytest.raises(K3InputError, match=r"^shard.o_proj: expected device cpu, got meta"):
+    with pytest.raises(K3InputError, match=r"^shard.o_proj: expected device cpu \(as the rank's buffers\), got meta"):
         runner.rank_states[0].for_layer(92, replace(other[0], o_proj=other[0].o_proj.to("meta")))
     assert len(mono_launches) == 0
 
@@ -219,9 +219,9 @@ def test_bound_tensors_are_checked_before_any_launch(mono_launches):
         (dict(core=inputs["core"]), rf"^core: expected shape \[{tokens}, {width}\], got \[{tokens}, {2 * width}\]"),
         (dict(prefix=inputs["prefix"][:1]), rf"^prefix: expected shape \[{tokens}, {H}\]"),
         (dict(out=good["out"].float()), r"^out: expected dtype torch.bfloat16, got torch.float32"),
-        (dict(out=torch.empty(H, tokens, dtype=torch.bfloat16).t()), r"^out: expected unit stride in the last dim"),
+        (dict(out=torch.empty(H, tokens, dtype=torch.bfloat16).t()), r"^out: expected unit stride along the last dim"),
         (dict(blocks=inputs["blocks"][:, :1]), r"^blocks: expected at least 2 AttnRes blocks for layer 13"),
-        (dict(prefix=good["prefix"].to("meta")), r"^prefix: expected device cpu, got meta"),
+        (dict(prefix=good["prefix"].to("meta")), r"^prefix: expected device cpu \(as the rank's buffers\), got meta"),
         (dict(out=good["prefix"]), r"^prefix: expected memory of its own, got bytes within out's span"),
         (dict(out=inputs["blocks"][:, 0]), r"^out: expected memory of its own, got bytes within blocks's span"),
     ]:

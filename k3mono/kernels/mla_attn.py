@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from ..config import MAX_TOKENS
-from ..errors import K3InputError, expect_tensor
+from ..errors import K3InputError, check_same_device, check_unit_stride, expect_tensor
 from ..planner import next_pow2
 from . import common
 from .common import RANGE_BY_WHILE, as_f32, dot_acc, e4m3_pairs_to_fp16, to_bf16
@@ -384,25 +384,12 @@ def check_operand_scale(name: str, t: torch.Tensor, scale: float) -> None:
         raise K3InputError(f"{name}_scale: a {t.dtype} {name} takes scale 1.0, got {scale}")
 
 
-def check_unit_stride(*named) -> None:
-    for name, t in named:
-        if t.stride(-1) != 1:
-            raise K3InputError(f"{name}: expected unit stride along the last dim, got strides {list(t.stride())}")
-
-
 def check_pair_aligned(kv: torch.Tensor) -> None:
     """An fp8 cache's latent columns are read two bytes at a time (_latent_halves): every row
     must start at an even byte."""
     if kv.dtype == FP8 and (kv.data_ptr() % 2 or kv.stride(0) % 2 or kv.stride(1) % 2):
         raise K3InputError(f"kv: an fp8 cache's rows must start at even bytes, got data_ptr {kv.data_ptr():#x} "
                            f"and strides {list(kv.stride())}")
-
-
-def check_same_device(*named) -> None:
-    device = named[0][1].device
-    for name, t in named[1:]:
-        if t.device != device:
-            raise K3InputError(f"{name}: expected device {device} (as {named[0][0]}), got {t.device}")
 
 
 def check_q(q) -> tuple[int, int, int]:

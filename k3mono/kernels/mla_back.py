@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import K3InputError, expect_tensor
+from ..errors import K3InputError, check_same_device, check_unit_stride, expect_tensor
 from ..planner import next_pow2
 from . import common
 from .common import as_f32, dot_acc, sigmoid, to_bf16
@@ -37,8 +37,6 @@ from .mla_attn import (
     DOT_MIN,
     FP8,
     check_operand_scale,
-    check_same_device,
-    check_unit_stride,
     check_width,
     dequant_operand,
     shape_text,
