@@ -24,7 +24,8 @@
 # 32 K; m1c_profile: M1c's counters (S = 4); bulk: the bulk L2 prefetch modes (mono); ctas3: S = 1 at 3 CTAs a SM;
 # shared: the shared gate/up task rows; route: the route's tasks before the shared ones;
 # final_bulk: PREFETCH_FINAL tasks with the bulk prefetch; shared_late: SHARED_GU after EXPERT_GU;
-# tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case; expert_mma: the expert
+# tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case; expert_f16: the expert loops summing
+# in f16 timed (staged stages, mono off / on) and checked; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -155,6 +156,15 @@ for s in $STEPS; do
             --down-rows 16 --shared-late 1 --expert-evict-first 1 --shared-step-kb 16 --expert-mma 0 1
         step expert_mma_s2816 340 $MONO_SWEEP --tokens 2 8 16 --ctas 2 --prefetch 0 --prefetch-final 1 \
             --expert-lookahead 1 --expert-mma 0 1 ;;
+    expert_f16)  # the expert loops summing in f16 (TileChoice.expert_f16): the staged stages beside the fp32 sums
+        # (checked against them first), the mono launch off / on, then checked (T = 1, loopback T = 8)
+        step expert_f16_stages 150 python3 benchmarks/expert_loops.py --tokens 1 8 16 --loops 1x1 --f16
+        step expert_f16_s1 150 $MONO_SWEEP --tokens 1 --ctas 2 --prefetch 0 --prefetch-final 1 --expert-lookahead 1 \
+            --down-rows 16 --shared-late 1 --expert-evict-first 1 --shared-step-kb 16 --expert-f16 0 1
+        step expert_f16_s816 200 $MONO_SWEEP --tokens 8 16 --ctas 2 --prefetch 0 --prefetch-final 1 \
+            --expert-lookahead 1 --expert-f16 0 1
+        step expert_f16_check 200 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 8 16 --expert-f16 1 \
+            --grids --occupy-sms 0 --layers-tokens ;;
     tiles)  # gate/up and down task rows (TileChoice.gate_up_rows, down_rows), mono only, S = 1, 2 and 8
         step mono_tiles_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 8 --down-rows 32 16 8 --skip-staged

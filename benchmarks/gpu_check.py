@@ -234,7 +234,7 @@ def chosen_tiles(args, tokens: int) -> TileChoice:
     """mono.default_tiles(tokens) with the fields given on the command line."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TileChoice)
              if getattr(args, f.name, None) is not None}
-    for flag in ("expert_lookahead", "expert_mma"):
+    for flag in ("expert_lookahead", "expert_mma", "expert_f16"):
         if flag in given:
             given[flag] = bool(given[flag])
     return dataclasses.replace(default_tiles(tokens), **given)
@@ -247,7 +247,7 @@ def main() -> int:
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
     for name in ("dense_step_kb", "gate_up_rows", "down_rows", "router_rows", "latent_rows", "shared_rows",
-                 "expert_lookahead", "oproj_rows", "final_rows", "expert_mma"):
+                 "expert_lookahead", "oproj_rows", "final_rows", "expert_mma", "expert_f16"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"TileChoice.{name} (default: mono.default_tiles(S)'s)")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")

@@ -26,8 +26,9 @@ grid, not a register budget, sets how many warps an SM holds).
 ``--oproj-rows`` / ``--final-rows`` the rows of an o_proj / FINAL task (TileChoice.oproj_rows, final_rows);
 ``--shared-step-kb`` the KB a shared gate/up task loads a step (TileChoice.shared_step_kb);
 ``--expert-mma`` the expert tasks on tensor cores (TileChoice.expert_mma: weights in mma order, each
-distinct tensor once a runner, k3mono.mxfp4.MmaOrderCache; the gate/up and down rows and the
-lookahead then do not apply).
+distinct tensor once a runner, k3mono.mxfp4.ExpertOrderCache; the gate/up and down rows and the
+lookahead then do not apply); ``--expert-f16`` the expert loops summing each group in f16
+(TileChoice.expert_f16: weights in f16 order, converted the same way).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _tiles_text(tiles: TileChoice) -> str:
     return (f"dense step {tiles.dense_step_kb} KB gate/up rows {tiles.gate_up_rows} down rows {tiles.down_rows} "
             f"router rows {tiles.router_rows} latent rows {tiles.latent_rows} shared rows {tiles.shared_rows} lookahead {int(tiles.expert_lookahead)} "
             f"o_proj rows {tiles.oproj_rows} final rows {tiles.final_rows} shared step {tiles.shared_step_kb} KB "
-            f"expert mma {int(tiles.expert_mma)}")
+            f"expert mma {int(tiles.expert_mma)} expert f16 {int(tiles.expert_f16)}")
 
 
 def main() -> None:
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--oproj-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.oproj_rows")
     parser.add_argument("--final-rows", type=int, nargs="+", default=[HIDDEN_ROWS], help="TileChoice.final_rows")
     parser.add_argument("--expert-mma", type=int, nargs="+", default=[0], help="TileChoice.expert_mma (0 / 1)")
+    parser.add_argument("--expert-f16", type=int, nargs="+", default=[0], help="TileChoice.expert_f16 (0 / 1)")
     parser.add_argument("--skip-staged", action="store_true", help="time the mono launch only")
     parser.add_argument("--skip-mono", action="store_true", help="time the staged path only")
     parser.add_argument("--tp", type=int, default=8)
@@ -98,11 +100,12 @@ def main() -> None:
     for tokens in args.tokens:
         choices = [TileChoice(dense_step_kb=k, gate_up_rows=g, down_rows=d, router_rows=r, latent_rows=lr,
                               shared_rows=sh, expert_lookahead=bool(la), oproj_rows=o, final_rows=f,
-                              shared_step_kb=sk, expert_mma=bool(mma))
-                   for k, g, d, r, lr, sh, la, o, f, sk, mma in itertools.product(
+                              shared_step_kb=sk, expert_mma=bool(mma), expert_f16=bool(f16))
+                   for k, g, d, r, lr, sh, la, o, f, sk, mma, f16 in itertools.product(
                        args.dense_step_kb, args.gate_up_rows, args.down_rows, args.router_rows, args.latent_rows,
                        args.shared_rows, args.expert_lookahead, args.oproj_rows, args.final_rows,
-                       args.shared_step_kb, args.expert_mma)]
+                       args.shared_step_kb, args.expert_mma, args.expert_f16)
+                   if not (mma and f16)]
         for tiles in [] if args.skip_staged else choices:
             print(f"T={args.tp} S={tokens:>2} staged {_staged_text(cfg, args.tp, tokens, sets, tiles)}", flush=True)
         knobs = itertools.product(args.prefetch, args.prefetch_final, args.route_early, args.shared_late,

@@ -30,7 +30,8 @@ k2_launch argument names (the seed's) -> LayerWeights fields
     shared_up) (the seed fuses them; here a pair), w_sd shared_down,
     w13 (w1_packed, w3_packed), w13s (w1_scale, w3_scale) (pairs likewise),
     w2 w2_packed, w2s w2_scale, ln_w latent_norm, w_up latent_up; with
-    TileChoice.expert_mma, w13 and w2 in mma order (k3mono.mxfp4.mma_order).
+    TileChoice.expert_mma, w13 and w2 in mma order (k3mono.mxfp4.mma_order),
+    with TileChoice.expert_f16 in f16 order (k3mono.mxfp4.f16_order).
     ``alarm`` is the wait bound: polls a wait may spin before it gives up.
     ``m1b_in`` (M1b builds only): the rank's heads' o, lse, w_v, w_v_scale and
     gate (kernels/mla_back.py); the launch writes ``core`` from them first.
@@ -80,7 +81,7 @@ import torch
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, check_same_device, check_unit_stride, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
-from .mxfp4 import MmaOrderCache
+from .mxfp4 import ExpertOrderCache, expert_order_cache
 from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
                       next_pow2, plan, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
@@ -169,12 +170,25 @@ defaults, docs/PERF.md): 72.7 (8 KB) -> 71.1 (16) and 72.4 (32, which spills
 gained nothing: 72.7 both."""
 
 
+F16_SUMS_MIN_TOKENS = 8
+"""From this S on the mono launch's expert loops sum each MXFP4 group in f16
+(TileChoice.expert_f16, weights in f16 order): 3.0 / 3.7 instructions a weight
+value for gate/up / down against 4.3 / 5.0. Mono launch, fp32 -> f16 sums, one
+H100 (benchmarks/mono_sweep.py --expert-f16 0 1, docs/PERF.md): S = 1 76.7 ->
+75.6 us, S = 2 101.1 -> 101.7, S = 4 142.5 -> 143.1, S = 8 228.0 -> 218.3,
+S = 16 381.1 -> 361.3. Below S = 8 each task's first read of its token's
+activations (for their scale) costs what the shorter loop saves."""
+
+
 def default_tiles(tokens: int) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows
-    and SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step."""
+    and SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step; from F16_SUMS_MIN_TOKENS
+    on the expert loops' sums in f16."""
     if tokens == 1:
         return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
                                    shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB)
+    if tokens >= F16_SUMS_MIN_TOKENS:
+        return dataclasses.replace(DEFAULT_TILES, expert_f16=True)
     return DEFAULT_TILES
 
 
@@ -345,6 +359,7 @@ def build(key: MonoBuild) -> Compiled:
     if key.trace and _interpreting():
         raise K3InputError("trace: the task trace reads the GPU's timer (inline PTX); the interpreter has none")
     from .kernels import common
+    from .kernels import experts
     from .kernels.experts import _block_groups
     from .kernels.gemv import even_k
 
@@ -381,6 +396,7 @@ def build(key: MonoBuild) -> Compiled:
         GU_ROWS=g.expert_gate_up.rows, GU_BG=_block_groups(g.expert_gate_up),
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
+        EXPERT_DEQUANT=experts.DEQUANT_F16 if key.tiles.expert_f16 else experts.DEFAULT_DEQUANT,
         VB=g.vector_block, CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),
         BETA=float(cfg.situ_beta), LINEAR_BETA=float(cfg.situ_linear_beta),
@@ -633,10 +649,10 @@ def peer_address_table(peers, device) -> torch.Tensor:
     return torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
 
 
-def launch_args(w: LayerWeights, expert_words: MmaOrderCache | None = None) -> dict:
+def launch_args(w: LayerWeights, expert_words: ExpertOrderCache | None = None) -> dict:
     """The seed's weight argument names for a rank's shard; with ``expert_words``
-    (TileChoice.expert_mma) w13 and w2 in mma order (k3mono.mxfp4.mma_order),
-    taken from that cache: hold the result, not the shard, across launches."""
+    (TileChoice.expert_mma or expert_f16) w13 and w2 in that cache's order
+    (k3mono.mxfp4.mma_order, f16_order): hold the result, not the shard, across launches."""
     order = expert_words if expert_words is not None else (lambda packed: packed)
     return dict(
         w_o=w.o_proj, ares_nw=w.ares_norm, ares_qk=w.ares_proj, in_nw=w.post_norm, w_gate=w.router,
@@ -646,15 +662,22 @@ def launch_args(w: LayerWeights, expert_words: MmaOrderCache | None = None) -> d
     )
 
 
+def expert_order_of(tiles: TileChoice) -> tuple[torch.dtype, str]:
+    """The dtype and name of the order a build's expert loops read their weights in."""
+    if tiles.expert_mma:
+        return torch.int32, "mma order (k3mono.mxfp4.mma_order), as the build's tiles.expert_mma says"
+    if tiles.expert_f16:
+        return torch.int8, "f16 order (k3mono.mxfp4.f16_order), as the build's tiles.expert_f16 says"
+    return torch.uint8, "the checkpoint's bytes, as the build's tiles say"
+
+
 def check_expert_order(key: MonoBuild, w1, w3, w2) -> None:
-    """The expert weights in the order the build reads (TileChoice.expert_mma:
-    int32 words of k3mono.mxfp4.mma_order; else the checkpoint's uint8 bytes)."""
-    want = torch.int32 if key.tiles.expert_mma else torch.uint8
+    """The expert weights in the order the build reads (expert_order_of)."""
+    want, order = expert_order_of(key.tiles)
     for name, t in (("w13[0]", w1), ("w13[1]", w3), ("w2", w2)):
         if not isinstance(t, torch.Tensor) or t.dtype != want:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            order = "mma order (k3mono.mxfp4.mma_order)" if key.tiles.expert_mma else "the checkpoint's bytes"
-            raise K3InputError(f"{name}: expected {want} ({order}, as the build's tiles.expert_mma says), got {got}")
+            raise K3InputError(f"{name}: expected {want} ({order}), got {got}")
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -717,11 +740,12 @@ class MonoRank:
     them on one device, ``rankjob.mono_rank_worker`` one per spawned process."""
 
     def __init__(self, key: MonoBuild, shard: LayerWeights, rank: int, buffers: RankBuffers, *, layer: int,
-                 spin_limit: int, expert_words: MmaOrderCache | None = None):
+                 spin_limit: int, expert_words: ExpertOrderCache | None = None):
         self.key, self.compiled, self.rank, self.layer = key, build(key), rank, layer
         self.buffers = buffers
         self.spin_limit = spin_limit
         cfg, S, dev = key.cfg, key.tokens, buffers.own.device
+        self.compiled.rows_on(dev)  # the task table on the device now, so that even a first launch may be captured
         # k3mono/trace.py reads it: the last launch's tickets (trace builds only)
         self.trace = (torch.zeros((len(self.compiled.table.tasks), TRACE_WORDS), dtype=torch.int64, device=dev)
                       if key.trace else None)
@@ -731,9 +755,8 @@ class MonoRank:
         self.blocks = None
         self.m1b_in = None  # M1b builds: the rank's heads' M1b inputs (load_m1b_inputs)
         self.m1c_in = None  # M1c builds: the rank's heads' M1c inputs (load_m1b_inputs)
-        self.expert_words = None
-        if key.tiles.expert_mma:  # the runner's cache where its ranks share tensors, else this rank's own
-            self.expert_words = expert_words if expert_words is not None else MmaOrderCache()
+        # the runner's cache where its ranks share tensors, else this rank's own (None: the checkpoint's bytes)
+        self.expert_words = expert_words if expert_words is not None else expert_order_cache(key.tiles)
         self._args = launch_args(shard, self.expert_words)
 
     def for_layer(self, layer: int, shard: LayerWeights) -> "MonoRank":
@@ -1034,8 +1057,9 @@ class MonoRunner:
         self.compiled = build(self.key)
         spin = spin_limit if spin_limit is not None else (INTERPRET_SPIN if _interpreting() else DEFAULT_SPIN)
         buffers = local_buffers(self.tp, buffer_bytes(self.compiled.peer), self.device)
-        # tiles.expert_mma: each distinct expert tensor in mma order once, for every rank and the staged prewrite
-        self.expert_words = MmaOrderCache() if self.key.tiles.expert_mma else None
+        # tiles.expert_mma / expert_f16: each distinct expert tensor in that order once, for every rank and the
+        # staged prewrite
+        self.expert_words = expert_order_cache(self.key.tiles)
         self.rank_states = [
             MonoRank(self.key, self.shards[r], r,
                      RankBuffers.allocate(self.compiled, buffers[r], [buffers[r]] if self.loopback else buffers),

@@ -110,8 +110,26 @@ def mma_order(packed: torch.Tensor) -> torch.Tensor:
     return words.view(*packed.shape[:-1], packed.shape[-1] // 4)
 
 
-class MmaOrderCache:
-    """mma_order of each distinct packed tensor, made once and shared.
+_NIBBLE_LOW_BITS = 0x77  # each nibble's exponent and mantissa bits (2..0)
+_NIBBLE_SIGNS = 0x88  # each nibble's sign (bit 3)
+_SIGN_TO_BIT0 = 3
+
+
+def f16_order(packed: torch.Tensor) -> torch.Tensor:
+    """[..., R, C/2] u8 (compressed-tensors order) -> the same bytes with each
+    nibble's bits turned for the f16x2 expert loops (kernels/mxfp4.py
+    e2m1_f16x2): sign from bit 3 to bit 0, exponent and mantissa bits from 2..0
+    to 3..1. The elements and scales keep their places. An int8 tensor, so a
+    launcher told to expect this order can tell it from the checkpoint's bytes."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] * 2 % MXFP4_GROUP:
+        raise K3InputError(f"f16_order: expected uint8 [..., R, C/2] with C a multiple of {MXFP4_GROUP}, "
+                           f"got {packed.dtype} {list(packed.shape)}")
+    turned = ((packed & _NIBBLE_LOW_BITS) << 1) | ((packed & _NIBBLE_SIGNS) >> _SIGN_TO_BIT0)
+    return turned.view(torch.int8)
+
+
+class ExpertOrderCache:
+    """``order`` (mma_order or f16_order) of each distinct packed tensor, made once and shared.
 
     The ranks of one runner and its staged layer often hold the same tensors
     (the benchmarks' loopback ranks all share rank 0's shard); converting each
@@ -120,16 +138,27 @@ class MmaOrderCache:
     alive, so its address cannot be reused by another tensor while cached. The
     sources are weights: written in place afterwards, they need a new cache."""
 
-    def __init__(self):
+    def __init__(self, order):
+        self.order = order
         self._made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, packed: torch.Tensor) -> torch.Tensor:
         key = (packed.device, packed.data_ptr(), packed.dtype, tuple(packed.shape), packed.stride())
         if key not in self._made:
-            self._made[key] = (packed, mma_order(packed))
+            self._made[key] = (packed, self.order(packed))
         return self._made[key][1]
 
     @property
     def conversions(self) -> int:
         """Distinct tensors converted so far."""
         return len(self._made)
+
+
+def expert_order_cache(tiles) -> ExpertOrderCache | None:
+    """The conversion a build's expert loops read their weights in (planner.TileChoice:
+    expert_mma, mma_order; expert_f16, f16_order), or None for the checkpoint's bytes."""
+    if tiles.expert_mma:
+        return ExpertOrderCache(mma_order)
+    if tiles.expert_f16:
+        return ExpertOrderCache(f16_order)
+    return None

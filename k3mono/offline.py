@@ -183,11 +183,12 @@ def m1c_build(kv_dtype: str, tokens: int, splits: int, context: int):
     return build_launch(mla_attn._mla_attn_kernel, call)
 
 
-def expert_builds(cfg, tp: int, tokens: int, mma: bool = False):
+def expert_builds(cfg, tp: int, tokens: int, mma: bool = False, f16: bool = False):
     """(name, compiled, weight values a thread handles per step of the hot loop);
-    ``mma``: the tensor-core loops (weights in k3mono.mxfp4.mma_order)."""
+    ``mma``: the tensor-core loops (weights in k3mono.mxfp4.mma_order); ``f16``:
+    the FMA loops summing in f16 (weights in k3mono.mxfp4.f16_order)."""
     from .kernels import experts
-    from .mxfp4 import mma_order
+    from .mxfp4 import f16_order, mma_order
     from .planner import expert_mma_tile, stage_geometry
 
     geom, shard = stage_geometry(cfg, tp, tokens), empty_shard(cfg, tp)
@@ -203,10 +204,11 @@ def expert_builds(cfg, tp: int, tokens: int, mma: bool = False):
         down, _ = build_launch(experts._expert_down_mma_kernel, lambda: experts.launch_expert_down_mma(
             act, ids, route_w, w2, shard.w2_scale, partial, tokens, cfg))
     else:
+        w1, w3, w2 = ((f16_order(t) if f16 else t) for t in (shard.w1_packed, shard.w3_packed, shard.w2_packed))
         gate_up, _ = build_launch(experts._expert_gate_up_kernel, lambda: experts.launch_expert_gate_up(
-            z, ids, shard.w1_packed, shard.w1_scale, shard.w3_packed, shard.w3_scale, act, geom, cfg))
+            z, ids, w1, shard.w1_scale, w3, shard.w3_scale, act, geom, cfg))
         down, _ = build_launch(experts._expert_down_kernel, lambda: experts.launch_expert_down(
-            act, ids, route_w, shard.w2_packed, shard.w2_scale, partial, geom, cfg))
+            act, ids, route_w, w2, shard.w2_scale, partial, geom, cfg))
     gate_up_tile = expert_mma_tile(I_R) if mma else geom.expert_gate_up
     down_tile = expert_mma_tile(L) if mma else geom.expert_down
     per_step = {

@@ -242,6 +242,7 @@ class TileChoice:
     m1b_rows: int = BACK_BLOCK_DV
     shared_step_kb: int = DENSE_STEP_KB
     expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
+    expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
 
     def check(self) -> None:
         for name in ("dense_step_kb", "shared_step_kb"):
@@ -260,9 +261,11 @@ class TileChoice:
             raise K3InputError(f"tiles.latent_rows: expected one of {LATENT_ROWS_CHOICES}, got {self.latent_rows!r}")
         if self.shared_rows not in SHARED_ROWS_CHOICES:
             raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
-        for name in ("expert_lookahead", "expert_mma"):
+        for name in ("expert_lookahead", "expert_mma", "expert_f16"):
             if not isinstance(getattr(self, name), bool):
                 raise K3InputError(f"tiles.{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.expert_mma and self.expert_f16:
+            raise K3InputError("tiles: expert_mma and expert_f16 are two orders of the expert weights; pick one")
         if self.m1b_rows not in BACK_BLOCK_DV_CHOICES:
             raise K3InputError(f"tiles.m1b_rows: expected one of {BACK_BLOCK_DV_CHOICES}, got {self.m1b_rows!r}")
 

@@ -52,7 +52,7 @@ from .kernels.route import launch_route
 from .kernels.router import launch_router
 from .kernels.shared import launch_shared_gate_up
 from .layout import layout_bytes, peer_layout, region_views, scratch_layout
-from .mxfp4 import MmaOrderCache
+from .mxfp4 import ExpertOrderCache, expert_order_cache
 from .planner import TileChoice, stage_geometry
 from .validate import check_layer_inputs
 from .weights import LayerWeights, check_shard
@@ -99,16 +99,18 @@ class StagedLayer:
     ``tiles`` the task sizes (the mono launch's TileChoice: the same bits, benchmarks/mono_sweep.py)."""
 
     def __init__(self, cfg: K3Config, shards: list[LayerWeights], tokens: int, layer: int,
-                 tiles: TileChoice = TileChoice(), expert_words: MmaOrderCache | None = None):
+                 tiles: TileChoice = TileChoice(), expert_words: ExpertOrderCache | None = None):
         cfg.validate_layer(layer)
         self.tp = _check_shards(cfg, shards)
         self.cfg, self.shards, self.tokens, self.layer = cfg, list(shards), tokens, layer
         self.geom = stage_geometry(cfg, self.tp, tokens, tiles=tiles)
-        # tiles.expert_mma: each rank's w1, w3, w2 in mma order (k3mono.mxfp4.mma_order), each distinct
-        # tensor once (``expert_words``: a cache shared with the caller's mono ranks); None: the FMA loops
+        # tiles.expert_mma / expert_f16: each rank's w1, w3, w2 in mma order (k3mono.mxfp4.mma_order) or
+        # f16 order (f16_order), each distinct tensor once (``expert_words``: a cache shared with the
+        # caller's mono ranks); None: the checkpoint's bytes
+        self.tiles = tiles
         self.expert_words = None
-        if tiles.expert_mma:
-            order = expert_words if expert_words is not None else MmaOrderCache()
+        order = expert_words if expert_words is not None else expert_order_cache(tiles)
+        if order is not None:
             self.expert_words = [{name: order(getattr(w, f"{name}_packed")) for name in ("w1", "w3", "w2")}
                                  for w in self.shards]
         self.device = shards[0].o_proj.device
@@ -171,7 +173,7 @@ class StagedLayer:
         )
         out.append(("exchange logits", lambda: self._exchange_columns("logits")))
         out.append(("exchange z", lambda: self._exchange_columns("z")))
-        if self.expert_words is not None:  # z * 2^63 (exact), as the mono launch's LATENT_DOWN tasks push it
+        if self.tiles.expert_mma:  # z * 2^63 (exact), as the mono launch's LATENT_DOWN tasks push it
             each_rank("prescale z", lambda r: peer[r]["z"].mul_(ACT_PRESCALE.value))
         each_rank(
             "route",
@@ -180,7 +182,7 @@ class StagedLayer:
                 scratch[r]["route_keys"], geom, cfg,
             ),
         )
-        if self.expert_words is not None:
+        if self.tiles.expert_mma:
             words = self.expert_words
             each_rank(
                 "expert_gate_up",
@@ -196,18 +198,20 @@ class StagedLayer:
                     w[r].w2_scale, peer[r]["ar2"][r], self.tokens, cfg,
                 ),
             )
-        else:
+        else:  # the checkpoint's bytes, or (tiles.expert_f16) the same in f16 order
+            words = self.expert_words or [{name: getattr(x, f"{name}_packed") for name in ("w1", "w3", "w2")}
+                                          for x in w]
             each_rank(
                 "expert_gate_up",
                 lambda r: launch_expert_gate_up(
-                    peer[r]["z"], scratch[r]["route_ids"], w[r].w1_packed, w[r].w1_scale, w[r].w3_packed,
+                    peer[r]["z"], scratch[r]["route_ids"], words[r]["w1"], w[r].w1_scale, words[r]["w3"],
                     w[r].w3_scale, scratch[r]["expert_act"], geom, cfg,
                 ),
             )
             each_rank(
                 "expert_down",
                 lambda r: launch_expert_down(
-                    scratch[r]["expert_act"], scratch[r]["route_ids"], scratch[r]["route_w"], w[r].w2_packed,
+                    scratch[r]["expert_act"], scratch[r]["route_ids"], scratch[r]["route_w"], words[r]["w2"],
                     w[r].w2_scale, peer[r]["ar2"][r], geom, cfg,
                 ),
             )

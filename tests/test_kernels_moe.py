@@ -61,11 +61,12 @@ from k3mono.kernels.experts import (
     launch_expert_gate_up_mma,
 )
 from k3mono.kernels import experts as experts_mod
-from k3mono.kernels.mxfp4 import DEQUANT_IMAD, DEQUANT_SHIFT, launch_dequant
+from k3mono.kernels.mxfp4 import DEQUANT_F16, DEQUANT_IMAD, DEQUANT_SHIFT, launch_dequant
 from k3mono.kernels.route import launch_route
 from k3mono.planner import TileChoice, stage_geometry
-from k3mono.reference import BF16
+from k3mono.reference import BF16, ORACLE
 from k3mono.reference import stages as st
+from k3mono.runner import rel_err
 from k3mono.synthetic import random_layer
 from k3mono.weights import shard
 
@@ -160,7 +161,7 @@ def dequant(packed, scale, expert: int) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # 6 * 2^127 is inf, as in the reference
-@pytest.mark.parametrize("dequant", [DEQUANT_SHIFT, DEQUANT_IMAD])
+@pytest.mark.parametrize("dequant", [DEQUANT_SHIFT, DEQUANT_IMAD, DEQUANT_F16])
 def test_dequant_every_scale_byte_exact(dequant):
     g = torch.Generator().manual_seed(11)
     rows, groups = 254, 3  # 3 groups: a masked fourth column in the kernel
@@ -169,7 +170,7 @@ def test_dequant_every_scale_byte_exact(dequant):
     packed = torch.randint(0, 256, (rows, groups * 16), generator=g, dtype=torch.uint8)
     packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte: every nibble in both halves
     flat, out = poisoned((rows, groups * 32), torch.float32, NAN)
-    launch_dequant(packed, scale, out, dequant)
+    launch_dequant(mxfp4.f16_order(packed) if dequant == DEQUANT_F16 else packed, scale, out, dequant)
     want = mxfp4.dequantize(packed, scale)
     # Bitwise: -0 (nibble 8), the subnormal 2^-127 (0.5 at byte 1) and the inf
     # of 6 * 2^127 must all match.
@@ -417,6 +418,94 @@ def test_experts_on_tensor_cores(name, tp, tokens):
     assert_within(partial, exact, PARTIAL_REL * size, "latent_partial")
 
 
+F16_CASES = [("tiny", 2, 3), ("tiny", 1, 1), ("small", 4, 2), ("small", 1, 16)]
+F16_UNIT = 2.0**-11  # f16's unit roundoff
+F16_ROUNDINGS = 7  # on a product's way to its group's fp32 sum: 4 HFMA2 in its word, up to 3 HADD2 across words
+F16_ACT_BUDGET = 4.0
+"""Times the bf16 reference's own error against float64 that act may err with
+its g and u summed in f16. f16 sums err absolutely, by about 2^-11 of their
+terms' size; the reference's bf16 rounding of g and u relatively, by up to 2^-9
+of g and u. On O(1) inputs the f16 path's act error is within 1.1x of the
+reference's (interpreter, tiny preset); on a token of z times 300 situ
+saturates, which removes most of the reference's error but not the f16 sums'
+error on elements whose u cancels to near zero: 3.1x there. A wrong nibble,
+scale, pair or token scale moves act by whole units of its size. The layer
+runs are held to runner.BUDGET_FACTOR (tests/test_mono.py, test_staged.py)."""
+
+
+def oracle_act(cfg, w, z, ids) -> torch.Tensor:
+    """act in float64 from the bf16 z (the oracle of the stage; no rounding)."""
+    S, K = ids.shape
+    out = torch.empty(S, K, w.w1_packed.shape[1], dtype=torch.float64)
+    for s in range(S):
+        for j in range(K):
+            e = int(ids[s, j])
+            w1, w3 = dequant(w.w1_packed, w.w1_scale, e).double(), dequant(w.w3_packed, w.w3_scale, e).double()
+            out[s, j] = st.expert_hidden(ORACLE, z[s : s + 1].double(), w1, w3, cfg)[0]
+    return out
+
+
+@pytest.mark.parametrize("name,tp,tokens", F16_CASES)
+def test_experts_summing_in_f16(name, tp, tokens):
+    """Weights in f16 order (TileChoice.expert_f16): each group summed in f16.
+    act is held to F16_ACT_BUDGET times the bf16 reference's own error against
+    float64, each token's z scaled by its own power of two: a z of large (300)
+    or small (1e-3) magnitude must neither overflow f16 nor lose precision. The partial, on
+    the kernel's own act, is within the f16 rounding bound of its terms
+    (F16_ROUNDINGS unit roundoffs of sum_j |w_j| |act_j| @ |w2_j|.T), and
+    its typical error far below it: a wrong or missing term (a nibble, a
+    scale, a pair's activation) is off by a whole term on every element."""
+    cfg, w = rank_weights(name, tp)
+    S, K, L = tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    seed = seed_of("experts-f16", name, tp, tokens)
+    ids, route_w = random_routes(cfg, tokens, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    z = (torch.randn(tokens, L, generator=g) * torch.tensor([1.0, 300.0, 1e-3])[torch.arange(tokens) % 3, None])
+    z = z.to(torch.bfloat16)
+    f16 = {n: mxfp4.f16_order(getattr(w, f"{n}_packed")) for n in ("w1", "w3", "w2")}
+    geom = stage_geometry(cfg, tp, tokens)
+
+    act_flat, act = poisoned((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16, NAN)
+    launch_expert_gate_up(z, ids.to(torch.int32), f16["w1"], w.w1_scale, f16["w3"], w.w3_scale, act, geom, cfg)
+    assert_guards(act_flat, NAN, "expert_act")
+    exact = oracle_act(cfg, w, z, ids)
+    for s in range(S):  # each token against its own scale of error
+        ref_err = rel_err(reference_act(cfg, w, z[s : s + 1], ids[s : s + 1]), exact[s : s + 1])
+        err = rel_err(act[s : s + 1], exact[s : s + 1])
+        assert err <= F16_ACT_BUDGET * ref_err, f"token {s}: act error {err:.3g}, budget {F16_ACT_BUDGET * ref_err:.3g}"
+
+    partial_flat, partial = poisoned((S, L), torch.float32, NAN)
+    launch_expert_down(act, ids.to(torch.int32), route_w, f16["w2"], w.w2_scale, partial, geom, cfg)
+    assert_guards(partial_flat, NAN, "latent_partial")
+    want, size = down_terms(w, ids, route_w, act.float())
+    assert_within(partial, want, F16_ROUNDINGS * F16_UNIT * size, "latent_partial")
+    typical = ((partial.double() - want).norm() / size.norm()).item()
+    assert typical <= F16_UNIT, f"latent_partial: typical error {typical:.3g} of its terms' size"
+
+
+def test_f16_order_is_named_where_it_is_missing_or_unasked():
+    """Bytes in f16 order are int8: a launch told DEQUANT_F16 refuses the
+    checkpoint's bytes, one told another placement refuses int8, and w1 and
+    w3 must come in one order."""
+    cfg, w = rank_weights("tiny", 2)
+    S, K, L = 1, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
+    geom = stage_geometry(cfg, 2, S)
+    ids = torch.zeros(S, K, dtype=torch.int32)
+    act = torch.zeros(S, K, cfg.moe_intermediate_size // 2, dtype=torch.bfloat16)
+    z = torch.zeros(S, L, dtype=torch.bfloat16)
+    w1, w2 = mxfp4.f16_order(w.w1_packed), mxfp4.f16_order(w.w2_packed)
+    with pytest.raises(K3InputError, match="w1_packed: dequant DEQUANT_F16 needs int8"):
+        launch_expert_gate_up(z, ids, w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, act, geom, cfg,
+                              dequant=DEQUANT_F16)
+    with pytest.raises(K3InputError, match="w2_packed: int8 bytes in f16 order need dequant DEQUANT_F16"):
+        launch_expert_down(act, ids, torch.zeros(S, K), w2, w.w2_scale, torch.zeros(S, L), geom, cfg,
+                           dequant=DEQUANT_IMAD)
+    with pytest.raises(K3InputError, match="w3_packed: expected torch.int8"):
+        launch_expert_gate_up(z, ids, w1, w.w1_scale, w.w3_packed, w.w3_scale, act, geom, cfg)
+    with pytest.raises(K3InputError, match="f16_order: expected uint8"):
+        mxfp4.f16_order(w1)
+
+
 def test_tensor_core_launchers_want_weights_in_mma_order():
     cfg, w = rank_weights("tiny", 2)
     S, K, L = 1, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
@@ -494,6 +583,16 @@ _SM90_BUILDS = textwrap.dedent(
         # the IMAD placement holds: one IMAD a value places the nibble (not a shift pair)
         assert ops["IMAD"] >= values and ops["SHF"] < values / 2, (name, ops.most_common(8))
         print(name, round(len(loop) / values, 2))
+    fma_loops = {name: len(max(offline.sass_loops(compiled), key=len)) for name, compiled, _ in
+                 offline.expert_builds(cfg, 8, 1)}
+    for name, compiled, values in offline.expert_builds(cfg, 8, 1, f16=True):
+        usage = offline.resource_usage(compiled)
+        loop = max(offline.sass_loops(compiled), key=len)
+        ops = offline.opcode_counts(loop)
+        # one HFMA2 takes two products; the f16 loop issues at most 85 % of the fp32 loop's instructions
+        assert usage["stack"] == 0 and 2 * ops["HFMA2"] >= values and ops["FFMA"] < values / 8, (name, ops.most_common(8))
+        assert len(loop) <= 0.85 * fma_loops[name], (name, len(loop), fma_loops[name])
+        print(name, "in f16", round(len(loop) / values, 2))
     for name, compiled, values in offline.expert_builds(cfg, 8, 1, mma=True):
         usage = offline.resource_usage(compiled)
         loop = max(offline.sass_loops(compiled), key=len)

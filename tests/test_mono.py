@@ -391,7 +391,8 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
                                     shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB) != DEFAULT_TILES
-    assert keys[2].tiles == keys[4].tiles == keys[8].tiles == keys[16].tiles == DEFAULT_TILES
+    assert keys[2].tiles == keys[4].tiles == DEFAULT_TILES
+    assert keys[8].tiles == keys[16].tiles == replace(DEFAULT_TILES, expert_f16=True)  # F16_SUMS_MIN_TOKENS
     assert [k.options.shared_late for k in keys.values()] == [True, False, False, False, False]
     assert [k.options.expert_evict_first for k in keys.values()] == [s <= EVICT_FIRST_MAX_TOKENS for s in keys]
     assert all(k.options.prefetch_final for k in keys.values())
@@ -499,27 +500,33 @@ def test_wider_hidden_tasks_stay_within_budget_and_loopback_pushes_the_same_tile
         assert same_bits(runner.result(rank), runner._staged.result(rank)), f"rank {rank}: mono and staged differ"
 
 
-@pytest.mark.parametrize("tp,tokens", [(2, 3), (1, 16)], ids=["T2-S3", "T1-S16"])
-def test_experts_on_tensor_cores_stay_within_budget_and_match_staged(tp, tokens):
+EXPERT_ORDER_CASES = [("mma", 2, 3), ("mma", 1, 16), ("f16", 2, 3), ("f16", 1, 16)]
+
+
+@pytest.mark.parametrize("order,tp,tokens", EXPERT_ORDER_CASES, ids=[f"{o}-T{t}-S{s}" for o, t, s in EXPERT_ORDER_CASES])
+def test_experts_in_other_orders_stay_within_budget_and_match_staged(order, tp, tokens):
     """TileChoice.expert_mma: the expert tasks on tensor cores (weights in mma
-    order, z pushed times 2^63) sum in another order, so the launch is held to
-    the reference's budget and routes; the staged path at the same tiles gives
-    its bits on every rank (loopback's pre-writes included)."""
+    order, z pushed times 2^63) sum in another order; TileChoice.expert_f16:
+    the FMA loops sum each group in f16 (weights in f16 order). Either launch
+    is held to the reference's budget and routes; the staged path at the same
+    tiles gives its bits on every rank (loopback's pre-writes included)."""
     cfg, layer = preset("tiny"), 13
     shards = shard_all(layer_weights(), cfg, tp)
     inputs = random_inputs(cfg, tokens, layer, seed=47 + tokens)
-    runner = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=TileChoice(expert_mma=True)))
+    tiles = TileChoice(expert_mma=True) if order == "mma" else TileChoice(expert_f16=True)
+    runner = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
     got = runner(**inputs)
     check_against_reference(cfg, shards, inputs, layer, got)
     geometry = runner.compiled.table.geometry
     L, I_r = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
-    assert (geometry.expert_gate_up, geometry.expert_down) == (expert_mma_tile(I_r), expert_mma_tile(L))
+    if order == "mma":
+        assert (geometry.expert_gate_up, geometry.expert_down) == (expert_mma_tile(I_r), expert_mma_tile(L))
     staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
     if tp == 1:
         staged(**inputs)
     for rank in range(tp):
         assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
-    if tp > 1:  # the prewrite's staged layer reads the ranks' own words: each expert tensor converted once
+    if tp > 1:  # the prewrite's staged layer reads the ranks' own tensors: each expert tensor converted once
         assert runner.expert_words.conversions == 3 * tp
         for rank in range(tp):
             assert staged.expert_words[rank]["w2"] is runner.rank_states[rank]._args["w2"]

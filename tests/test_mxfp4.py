@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3mono.errors import K3InputError
-from k3mono.mxfp4 import MmaOrderCache, dequantize, e2m1_table, mma_order, quantize
+from k3mono.mxfp4 import ExpertOrderCache, dequantize, e2m1_table, mma_order, quantize
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -121,7 +121,7 @@ def test_mma_order_rejects_other_layouts():
 def test_mma_order_cache_converts_each_distinct_tensor_once():
     """Ranks sharing a shard share its words; another view of the same storage is another tensor."""
     packed = torch.randint(0, 256, (4, 3, 32), dtype=torch.uint8)
-    cache = MmaOrderCache()
+    cache = ExpertOrderCache(mma_order)
     words = cache(packed)
     assert torch.equal(words, mma_order(packed))
     assert cache(packed) is words and cache.conversions == 1

@@ -32,6 +32,14 @@ scale once per group. Activations carry a 2^63 pre-scale that the finished
 dot gives back, which needs |activation| < 2^64: z is an O(1) latent and
 situ is bounded by beta * linear_beta = 100.
 
+With the weights in f16 order (int8; k3mono.mxfp4.f16_order, TileChoice.expert_f16)
+the same loops place each nibble pair as an f16x2 and take two products an
+HFMA2, a group's sum in f16 (kernels/mxfp4.py, "f16x2 placement"): 3.0 (gate/up)
+and 3.7 (down) instructions a weight value against 4.3 and 5.0 (offline sm_90a
+builds, kimi-k3 TP8). Each task first reads its token's activations (z for
+gate/up, the K experts' act for down) for their largest magnitude, which sets
+the power of two that keeps them in f16's range.
+
 The same two stages on tensor cores (``*_mma``; TileChoice.expert_mma):
 weights in mma order (k3mono.mxfp4.mma_order, int32 words), placed as bf16
 pairs straight into the tl.dot operand, the activations (z, act) times 2^63
@@ -53,16 +61,22 @@ from .common import UPCAST_DOT, as_f32, dot_acc, situ, to_bf16
 from .mxfp4 import (
     ACT_PRESCALE,
     DEFAULT_DEQUANT,
+    DEQUANT_F16,
     MMA_N,
     OUT_RESCALE,
     WORDS_PER_GROUP,
     act_pair_ptrs,
+    bf16_abs_max_bits,
     e2m1_mma_tile,
     e8m0_scale,
+    f16_act_pairs,
+    f16_scale_for,
     load_act_pairs,
     load_block_diagonal,
     load_mma_tile,
     load_mxfp4_tile,
+    mxfp4_f16_group_dot,
+    mxfp4_f16_group_dot_pair,
     mxfp4_group_dot,
     mxfp4_group_dot_pair,
 )
@@ -79,6 +93,8 @@ PACKING = tl.constexpr(_PACKING)
 # 4 gained nothing). Not part of StageGeometry (GemvTile has no such field); the
 # interpreter ignores both. The launchers compile EXPERT_STAGES / EXPERT_UNROLL,
 # module attributes a benchmark may set.
+F16 = tl.constexpr(DEQUANT_F16)
+SCALE_SCAN = tl.constexpr(1024)  # activations a task reads at once for the largest magnitude (DEQUANT_F16)
 PIPELINE_STAGES = tl.constexpr(1)
 LOOP_UNROLL = tl.constexpr(1)
 
@@ -122,13 +138,15 @@ def expert_gate_up_task(
     BLOCK_G: tl.constexpr,  # MXFP4 groups of a row per step
     BETA: tl.constexpr,
     LINEAR_BETA: tl.constexpr,
-    DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
+    DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0), DEQUANT_IMAD (1), DEQUANT_F16 (2)
     STAGES: tl.constexpr = PIPELINE_STAGES,
     UNROLL: tl.constexpr = LOOP_UNROLL,
     LOOKAHEAD: tl.constexpr = False,  # load step i + 1 (weights, activations) before step i's math (GemvTile.lookahead)
     EVICT_FIRST: tl.constexpr = False,  # weight loads evict_first in L2 (kernels/mxfp4.py load_mxfp4_tile)
 ):
-    """Task = (pair s*K + j, tile of ROWS intermediate rows), pair-major."""
+    """Task = (pair s*K + j, tile of ROWS intermediate rows), pair-major.
+    DEQUANT_F16 (w1, w3 int8 in f16 order): the token's z scaled by the power
+    of two that puts its largest magnitude just below 2^15 (f16_scale_for)."""
     TILES: tl.constexpr = triton.cdiv(I_R, ROWS)
     G_ROW: tl.constexpr = L // GROUP
     pair = task // TILES
@@ -147,6 +165,10 @@ def expert_gate_up_task(
     gate = tl.zeros((BLOCK_G, ROWS), tl.float32)
     up = tl.zeros((BLOCK_G, ROWS), tl.float32)
     z_row = z_ptr + token * L
+    if DEQUANT == F16:
+        act_scale, rescale = f16_scale_for(bf16_abs_max_bits(z_row, L, SCALE_SCAN))
+    else:
+        act_scale, rescale = 1.0, OUT_RESCALE
     if LOOKAHEAD:
         ahead = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, 0, rows, row_ok, G_ROW, BLOCK_G, EVICT_FIRST)
     for g0 in tl.range(0, G_ROW, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
@@ -157,11 +179,14 @@ def expert_gate_up_task(
         else:
             words1, scales1, words3, scales3, acts = _gate_up_loads(w1, w1_scale, w3, w3_scale, z_row, g0, rows,
                                                                     row_ok, G_ROW, BLOCK_G, EVICT_FIRST)
-        dot1, dot3 = mxfp4_group_dot_pair(words1, words3, acts, DEQUANT)
+        if DEQUANT == F16:
+            dot1, dot3 = mxfp4_f16_group_dot_pair(words1, words3, f16_act_pairs(acts, act_scale))
+        else:
+            dot1, dot3 = mxfp4_group_dot_pair(words1, words3, acts, DEQUANT)
         gate += dot1 * e8m0_scale(scales1)
         up += dot3 * e8m0_scale(scales3)
-    g = to_bf16(tl.sum(gate, axis=0) * OUT_RESCALE)
-    u = to_bf16(tl.sum(up, axis=0) * OUT_RESCALE)
+    g = to_bf16(tl.sum(gate, axis=0) * rescale)
+    u = to_bf16(tl.sum(up, axis=0) * rescale)
     act = to_bf16(situ(as_f32(g), as_f32(u), BETA, LINEAR_BETA))
     tl.store(act_ptr + pair * I_R + rows, act, mask=row_ok)
 
@@ -226,6 +251,7 @@ def _down_loads(
     I_R: tl.constexpr,
     BLOCK_G: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
+    rescale,  # what the dot still owes (2^63, or 2^(14 - t) for DEQUANT_F16)
 ):
     G_ROW: tl.constexpr = I_R // GROUP
     cols = c0 + tl.arange(0, BLOCK_G)
@@ -237,8 +263,8 @@ def _down_loads(
     w2_scale = (w2_scale_ptr + expert * (L * G_ROW))[:, None]
     words, scales = load_mxfp4_tile(w2, w2_scale, cols % G_ROW, col_ok, rows, row_ok, G_ROW, EVICT_FIRST)
     a_ptrs, a_ok = act_pair_ptrs((act_ptr + pair * I_R)[:, None], cols % G_ROW, col_ok)
-    # The 2^63 the dot still owes rides on the route weight (both exact).
-    weight = tl.load(route_w_ptr + pair, mask=col_ok, other=0.0) * OUT_RESCALE
+    # What the dot still owes rides on the route weight (a power of two: exact).
+    weight = tl.load(route_w_ptr + pair, mask=col_ok, other=0.0) * rescale
     return words, scales, load_act_pairs(a_ptrs, a_ok), weight
 
 
@@ -256,7 +282,7 @@ def expert_down_task(
     I_R: tl.constexpr,  # I/T
     ROWS: tl.constexpr,  # latent rows per task
     BLOCK_G: tl.constexpr,  # (slot, group) columns per step
-    DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0) or DEQUANT_IMAD (1)
+    DEQUANT: tl.constexpr = DEFAULT_DEQUANT,  # kernels/mxfp4.py: DEQUANT_SHIFT (0), DEQUANT_IMAD (1), DEQUANT_F16 (2)
     STAGES: tl.constexpr = PIPELINE_STAGES,
     UNROLL: tl.constexpr = LOOP_UNROLL,
     LOOKAHEAD: tl.constexpr = False,  # load step i + 1 (weights, activations, route weights) before step i's math
@@ -270,7 +296,8 @@ def expert_down_task(
     A step thus always has BLOCK_G live columns, however few groups I/T has
     (12 at TP8), and the row sums are taken once, at the end. The sum over
     experts is reassociated with the sums over groups: fp32 rounding of the
-    same terms, no per-expert rounding."""
+    same terms, no per-expert rounding. DEQUANT_F16 (w2 int8 in f16 order):
+    the token's act scaled as gate/up scales z (f16_scale_for)."""
     TILES: tl.constexpr = triton.cdiv(L, ROWS)
     G_ROW: tl.constexpr = I_R // GROUP
     COLS: tl.constexpr = K * G_ROW
@@ -280,18 +307,26 @@ def expert_down_task(
     row_ok = rows < L
 
     acc = tl.zeros((BLOCK_G, ROWS), tl.float32)
+    if DEQUANT == F16:
+        act_scale, rescale = f16_scale_for(bf16_abs_max_bits(act_ptr + token * COLS * GROUP, COLS * GROUP, SCALE_SCAN))
+    else:
+        act_scale, rescale = 1.0, OUT_RESCALE
     if LOOKAHEAD:
         ahead = _down_loads(0, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, rows, row_ok, K, L, I_R,
-                            BLOCK_G, EVICT_FIRST)
+                            BLOCK_G, EVICT_FIRST, rescale)
     for c0 in tl.range(0, COLS, BLOCK_G, num_stages=STAGES, loop_unroll_factor=UNROLL):
         if LOOKAHEAD:
             words, scales, acts, weight = ahead
             ahead = _down_loads(c0 + BLOCK_G, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr, rows, row_ok,
-                                K, L, I_R, BLOCK_G, EVICT_FIRST)
+                                K, L, I_R, BLOCK_G, EVICT_FIRST, rescale)
         else:
             words, scales, acts, weight = _down_loads(c0, token, act_ptr, ids_ptr, route_w_ptr, w2_ptr, w2_scale_ptr,
-                                                      rows, row_ok, K, L, I_R, BLOCK_G, EVICT_FIRST)
-        acc += mxfp4_group_dot(words, acts, DEQUANT) * (e8m0_scale(scales) * weight[:, None])
+                                                      rows, row_ok, K, L, I_R, BLOCK_G, EVICT_FIRST, rescale)
+        if DEQUANT == F16:
+            dot = mxfp4_f16_group_dot(words, f16_act_pairs(acts, act_scale))
+        else:
+            dot = mxfp4_group_dot(words, acts, DEQUANT)
+        acc += dot * (e8m0_scale(scales) * weight[:, None])
     tl.store(out_ptr + token * L + rows, tl.sum(acc, axis=0), mask=row_ok)
 
 
@@ -496,9 +531,23 @@ def _expert_shapes(cfg, w_packed, w_scale, rows: int, cols: int, name: str, mma:
             raise K3InputError(f"{name}_packed: expected int32 words in mma order (k3mono.mxfp4.mma_order), "
                                f"got {w_packed.dtype}")
         expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _MMA_VALUES_PER_WORD), torch.int32)
-    else:
-        expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _PACKING), torch.uint8)
+    else:  # int8: the bytes in f16 order (k3mono.mxfp4.f16_order), else the checkpoint's uint8
+        order = torch.int8 if isinstance(w_packed, torch.Tensor) and w_packed.dtype == torch.int8 else torch.uint8
+        expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _PACKING), order)
     expect_tensor(f"{name}_scale", w_scale, (E, rows, cols // MXFP4_GROUP), torch.uint8)
+
+
+def _dequant_for(name: str, w_packed, dequant) -> int:
+    """The placement a launch compiles: DEQUANT_F16 for int8 bytes in f16 order,
+    else ``dequant`` (EXPERT_DEQUANT when None), which must then not be DEQUANT_F16."""
+    if w_packed.dtype == torch.int8:
+        if dequant not in (None, DEQUANT_F16):
+            raise K3InputError(f"{name}: int8 bytes in f16 order need dequant DEQUANT_F16, got {dequant!r}")
+        return DEQUANT_F16
+    if dequant == DEQUANT_F16:
+        raise K3InputError(f"{name}: dequant DEQUANT_F16 needs int8 bytes in f16 order (k3mono.mxfp4.f16_order), "
+                           f"got {w_packed.dtype}")
+    return EXPERT_DEQUANT if dequant is None else dequant
 
 
 def _rank_intermediate(cfg, name: str, tensor, dim: int) -> int:
@@ -544,9 +593,12 @@ def _block_groups(tile) -> int:
 
 
 EXPERT_DEQUANT = DEFAULT_DEQUANT
-"""The MXFP4 placement the launchers compile (kernels/mxfp4.py: DEQUANT_SHIFT
-= 0, DEQUANT_IMAD = 1) unless given ``dequant=``; set this module attribute to
-time both placements in one run (each value compiles its own kernel)."""
+"""The MXFP4 placement the launchers compile for the checkpoint's bytes
+(kernels/mxfp4.py: DEQUANT_SHIFT = 0, DEQUANT_IMAD = 1) unless given
+``dequant=``; set this module attribute to time both placements in one run
+(each value compiles its own kernel). Bytes in f16 order (int8) always take
+DEQUANT_F16."""
+
 EXPERT_STAGES = PIPELINE_STAGES.value
 EXPERT_UNROLL = LOOP_UNROLL.value
 """The hot loops' pipeline depth and unroll factor the launchers compile (set
@@ -559,6 +611,9 @@ def launch_expert_gate_up(
     """z [S, L] bf16, route_ids [S, K] int32, w1/w3 shards -> expert_act [S, K, I/T] bf16."""
     S, K, L = geom.tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
     I_R = _gate_up_shapes(cfg, z, route_ids, w1_packed, w1_scale, w3_packed, w3_scale, expert_act, S, mma=False)
+    if w1_packed.dtype != w3_packed.dtype:
+        raise K3InputError(f"w3_packed: expected {w1_packed.dtype} as w1_packed, got {w3_packed.dtype}")
+    dequant = _dequant_for("w1_packed", w1_packed, dequant)
     _check_contiguous(
         "launch_expert_gate_up",
         z=z,
@@ -586,7 +641,7 @@ def launch_expert_gate_up(
         BLOCK_G=_block_groups(tile),
         BETA=cfg.situ_beta,
         LINEAR_BETA=cfg.situ_linear_beta,
-        DEQUANT=EXPERT_DEQUANT if dequant is None else dequant,
+        DEQUANT=dequant,
         STAGES=EXPERT_STAGES,
         UNROLL=EXPERT_UNROLL,
         LOOKAHEAD=tile.lookahead,
@@ -600,6 +655,7 @@ def launch_expert_down(
     """expert_act [S, K, I/T] bf16, routes, w2 shard -> latent_partial [S, L] fp32 (unrounded)."""
     S, K, L = geom.tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size
     I_R = _down_shapes(cfg, expert_act, route_ids, route_w, w2_packed, w2_scale, latent_partial, S, mma=False)
+    dequant = _dequant_for("w2_packed", w2_packed, dequant)
     _check_contiguous(
         "launch_expert_down",
         expert_act=expert_act,
@@ -623,7 +679,7 @@ def launch_expert_down(
         I_R=I_R,
         ROWS=tile.rows,
         BLOCK_G=_block_groups(tile),
-        DEQUANT=EXPERT_DEQUANT if dequant is None else dequant,
+        DEQUANT=dequant,
         STAGES=EXPERT_STAGES,
         UNROLL=EXPERT_UNROLL,
         LOOKAHEAD=tile.lookahead,

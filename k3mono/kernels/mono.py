@@ -321,7 +321,7 @@ def expert_down_push_task(
     act_ptr,  # bf16 [S, K, I/T]
     ids_ptr,  # int32 [S, K]
     rw_ptr,  # fp32 [S, K]
-    w2_ptr,  # u8 [E, L, I/(2T)], or i32 [E, L, I/(8T)] in mma order
+    w2_ptr,  # u8 [E, L, I/(2T)], i8 in f16 order, or i32 [E, L, I/(8T)] in mma order
     w2s_ptr,  # u8 [E, L, I/(32T)]
     own_f32,  # fp32 view of the rank's own peer buffer
     peer_table_ptr,  # int64 [NP]
@@ -338,6 +338,7 @@ def expert_down_push_task(
     UPCAST: tl.constexpr,
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
+    DEQUANT: tl.constexpr,  # the FMA loop's placement (kernels/mxfp4.py; DEQUANT_F16: w2 in f16 order)
 ):
     """expert_down_task stores its tile into the own slot; with NP > 1 the CTA
     then copies those rows to every peer's before raising."""
@@ -346,7 +347,7 @@ def expert_down_push_task(
                              own_f32 + slot, KTOP, L, I_R, DN_ROWS, DN_BG, UPCAST)
     else:
         expert_down_task(token * tl.cdiv(L, DN_ROWS) + tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32 + slot,
-                         KTOP, L, I_R, DN_ROWS, DN_BG, LOOKAHEAD=LOOKAHEAD, EVICT_FIRST=EVICT_FIRST)
+                         KTOP, L, I_R, DN_ROWS, DN_BG, DEQUANT=DEQUANT, LOOKAHEAD=LOOKAHEAD, EVICT_FIRST=EVICT_FIRST)
     if NP > 1:
         tl.debug_barrier()
         rows = tile * DN_ROWS + tl.arange(0, DN_ROWS)
@@ -504,11 +505,11 @@ def _mono_kernel(
     w_sg_ptr,  # bf16 [SI/T, H]
     w_su_ptr,  # bf16 [SI/T, H]
     w_sd_ptr,  # bf16 [H, SI/T]
-    w1_ptr,  # u8 [E, I/T, L/2], or i32 [E, I/T, L/8] in mma order (EXPERT_MMA)
+    w1_ptr,  # u8 [E, I/T, L/2] (i8 in f16 order: EXPERT_DEQUANT), or i32 [E, I/T, L/8] in mma order (EXPERT_MMA)
     w1s_ptr,  # u8 [E, I/T, L/32]
     w3_ptr,
     w3s_ptr,
-    w2_ptr,  # u8 [E, L, I/(2T)], or i32 [E, L, I/(8T)] in mma order (EXPERT_MMA)
+    w2_ptr,  # u8 [E, L, I/(2T)] (i8 in f16 order), or i32 [E, L, I/(8T)] in mma order (EXPERT_MMA)
     w2s_ptr,  # u8 [E, L, I/(32T)]
     ln_w_ptr,  # bf16 [L]
     w_up_ptr,  # bf16 [H, L/T]
@@ -569,6 +570,7 @@ def _mono_kernel(
     EXPERT_LOOKAHEAD: tl.constexpr,
     EXPERT_EVICT_FIRST: tl.constexpr,  # planner.MonoOptions.expert_evict_first
     EXPERT_MMA: tl.constexpr,  # planner.TileChoice.expert_mma: w1/w3/w2 in mma order, z pushed * 2^63
+    EXPERT_DEQUANT: tl.constexpr,  # the FMA loops' placement (kernels/mxfp4.py; DEQUANT_F16: tiles.expert_f16)
     VB: tl.constexpr,
     CANDS: tl.constexpr,
     CP: tl.constexpr,  # the seam partials' candidate extent (>= CANDS)
@@ -760,12 +762,14 @@ def _mono_kernel(
                 else:
                     expert_gate_up_task(gu_task, own_bf16 + pb + Z_B, ids_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,
                                         act_ptr, KTOP, L, I_R, GU_ROWS, GU_BG, BETA, LINEAR_BETA,
-                                        LOOKAHEAD=EXPERT_LOOKAHEAD, EVICT_FIRST=EXPERT_EVICT_FIRST)
+                                        DEQUANT=EXPERT_DEQUANT, LOOKAHEAD=EXPERT_LOOKAHEAD,
+                                        EVICT_FIRST=EXPERT_EVICT_FIRST)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_EXPERT_DOWN:
                 expert_down_push_task(token, tile, act_ptr, ids_ptr, rw_ptr, w2_ptr, w2s_ptr, own_f32, peer_table_ptr,
                                       pf + AR2_F + rank * (S * L), FLAG_I + rword, KTOP, L, I_R, DN_ROWS, DN_BG,
-                                      EXPERT_LOOKAHEAD, EXPERT_EVICT_FIRST, EXPERT_MMA, UPCAST, NP, SCOPE)
+                                      EXPERT_LOOKAHEAD, EXPERT_EVICT_FIRST, EXPERT_MMA, UPCAST, NP, SCOPE,
+                                      EXPERT_DEQUANT)
             elif kind == K_PREFETCH_FINAL:
                 _prefetch_rows(w_up_ptr, start, stop, H, L_R)
                 _prefetch_rows(w_sd_ptr, start, stop, H, SI_R)

@@ -42,7 +42,9 @@ fp32 summation order, within these ranges:
 * scale bytes 1 .. 254. Byte 0 (2^-127, only for groups whose largest
   weight is below 2^-125) reads as 0; byte 255 (E8M0 NaN) as +inf.
 
-Two placements (constexpr ``DEQUANT``, bit-identical results):
+Two fp32 placements (constexpr ``DEQUANT``, bit-identical results; a third,
+``DEQUANT_F16``, sums in f16 from bytes in another nibble order: see
+"f16x2 placement" below):
 
 * ``DEQUANT_SHIFT`` (0, the first scheme): the three ops above per value.
 * ``DEQUANT_IMAD`` (1, default): a word is first split into four masked
@@ -84,10 +86,12 @@ and every scale byte 1 .. 254 round-trips bit for bit.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ..config import MXFP4_GROUP
+from .common import BF16_BY_BITS
 
 _WORD_BITS = 32  # packed bytes are read as int32 words
 _NIBBLE_BITS = 4  # one E2M1 value
@@ -166,10 +170,17 @@ def e2m1_place_imad(masked, NIBBLE: tl.constexpr):
 
 @triton.jit
 def e2m1_nibble(words, NIBBLE: tl.constexpr, DEQUANT: tl.constexpr):
-    """Nibble NIBBLE of every word as the fp32 E2M1 * 2^-126 by either
-    placement (the pair masks are common subexpressions across nibbles)."""
+    """Nibble NIBBLE of every word as the fp32 E2M1 * 2^-126 by any placement
+    (the pair masks are common subexpressions across nibbles; DEQUANT_F16, the
+    words in f16 order, through its f16x2 pair: for mxfp4_dequant, not a loop)."""
     if DEQUANT == _IMAD:
         return e2m1_place_imad(e2m1_pair_word(words, NIBBLE), NIBBLE)
+    elif DEQUANT == _F16:
+        low, high = _f16_halves(e2m1_f16x2(words, NIBBLE % 4))
+        if NIBBLE >= 4:
+            return high * F16_TO_FP32_PLACED
+        else:
+            return low * F16_TO_FP32_PLACED
     else:
         return e2m1_place(words, NIBBLE)
 
@@ -400,6 +411,193 @@ def load_block_diagonal(
     return tl.trans(tl.load(act_ptrs[None, :] + 0 * column[:, None], mask=on_diagonal, other=0.0))
 
 
+# -- f16x2 placement: weights in f16 order, two products an HFMA2 -------------------
+#
+# k3mono.mxfp4.f16_order turns each nibble's bits so that its sign is bit 0 and
+# its two exponent bits and mantissa bit are bits 3..1 (an int8 tensor, so a
+# launcher can tell the order from the checkpoint's uint8 bytes). The pair
+# masks above leave nibbles J and J + 4 of a word alone, 16 bits apart, at bit
+# p = 0 or 4 of each half; one multiply by 2^(15 - p) + 2^(8 - p) writes each
+# nibble twice, its sign on bit 15 (31) and its other bits on 11..9 (27..25),
+# the copies never overlapping, and the mask keeps those bits: an f16x2 word of
+# E2M1 * 2^-14 (exponent field = the two exponent bits, top mantissa bit = the
+# mantissa bit; field 0 gives the f16 subnormal 0.5 * 2^-14, or zero). Two ops
+# a pair (IMAD, LOP3), the five mask ops a word, and one HFMA2 takes the pair's
+# two products: 17 ops a word of 8 values where the fp32 placement takes 29.
+#
+# Sums in f16. The activations come as f16 times 2^t, t chosen so that they stay
+# below 2^15 in magnitude (``f16_scale_for``): each half of a group's f16x2 sum
+# holds 16 products of at most 6 * 2^15 * 2^-14, so at most 192, far from f16's
+# 65504; f16 keeps 11 significant bits (bf16 8), rounding each of the 16 sums.
+# The group's two halves are added in fp32 and scaled by the E8M0 factor there;
+# the finished dot gives back 2^(14 - t). Under the interpreter (no inline PTX)
+# the f16 sums are computed in fp32 and rounded to f16 (the product of two f16
+# is exact in fp32), the hardware rounds once: they differ only where the fp32
+# sum lands on an f16 tie.
+
+DEQUANT_F16 = 2  # weights in f16 order (k3mono.mxfp4.f16_order): f16x2 pairs and HFMA2
+_F16 = tl.constexpr(DEQUANT_F16)
+F16X2_PLACE_MASK = tl.constexpr(0x8E008E00 - (1 << 32))  # each half: sign (15), exponent bits 1..0 and mantissa bit (11..9)
+F16X2_COPIES_EVEN = tl.constexpr((1 << 15) + (1 << 8))  # nibbles at bits 0 and 16: bit 0 -> 15, bits 3..1 -> 11..9
+F16X2_COPIES_ODD = tl.constexpr((1 << 11) + (1 << 4))  # nibbles at bits 4 and 20
+F16_PLACED_EXPONENT = tl.constexpr(14)  # a placed nibble is E2M1 * 2^-14
+F16_TO_FP32_PLACED = tl.constexpr(2.0**-112)  # E2M1 * 2^-14 -> the fp32 placement's E2M1 * 2^-126
+F16_ACT_LIMIT_EXPONENT = tl.constexpr(15)  # activations times 2^t stay below 2^15
+_F32_BIAS = tl.constexpr(127)
+_F32_MAX_POWER = tl.constexpr(126)  # 2^t for t above this leaves no room for 2^(14 - t) ... at the other end
+_BF16_EXPONENT_SHIFT = tl.constexpr(7)  # a bf16's exponent field sits above its 7 mantissa bits
+_BF16_ABS = tl.constexpr(0x7FFF)
+_HALF_MASK = tl.constexpr(0xFFFF)
+
+
+
+
+@triton.jit
+def e2m1_f16x2(words, J: tl.constexpr):
+    """Nibbles J and J + 4 of every f16-order word as one f16x2 (bits in an
+    int32): E2M1 * 2^-14 each, nibble J in the low half."""
+    masked = e2m1_pair_word(words, J)
+    if J % 2 == 0:
+        return (masked * F16X2_COPIES_EVEN) & F16X2_PLACE_MASK
+    else:
+        return (masked * F16X2_COPIES_ODD) & F16X2_PLACE_MASK
+
+
+@triton.jit
+def _f16_halves(pairs):
+    """f16x2 words -> (low, high) as fp32 (exact)."""
+    low = pairs.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (pairs >> HALF_BITS).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _f16x2_of(low, high):
+    """fp32 (low, high) -> f16x2 words, each rounded to nearest even."""
+    low_bits = low.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & _HALF_MASK
+    high_bits = high.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return low_bits | (high_bits << HALF_BITS)
+
+
+@triton.jit
+def pack_f16x2(low, high):
+    """fp32 (low, high) -> f16x2 words (cvt.rn: one instruction a pair)."""
+    if BF16_BY_BITS:
+        return _f16x2_of(low, high)
+    else:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [low, high], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def hfma2(a, b, c):
+    """a * b + c on f16x2 words, each half rounded once (HFMA2)."""
+    if BF16_BY_BITS:
+        a_low, a_high = _f16_halves(a)
+        b_low, b_high = _f16_halves(b)
+        c_low, c_high = _f16_halves(c)
+        return _f16x2_of(a_low * b_low + c_low, a_high * b_high + c_high)
+    else:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def hadd2(a, b):
+    """a + b on f16x2 words (HADD2)."""
+    if BF16_BY_BITS:
+        a_low, a_high = _f16_halves(a)
+        b_low, b_high = _f16_halves(b)
+        return _f16x2_of(a_low + b_low, a_high + b_high)
+    else:
+        return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def f16x2_sum(pairs):
+    """low + high of f16x2 words, in fp32."""
+    if BF16_BY_BITS:
+        low, high = _f16_halves(pairs)
+        return low + high
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; .reg .f32 x, y; mov.b32 {l, h}, $1; cvt.f32.f16 x, l; cvt.f32.f16 y, h; "
+            "add.f32 $0, x, y; }", "=f,r", [pairs], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def power_of_two(exponent):
+    """int32 exponent in -126 .. 127 -> fp32 2^exponent (exact)."""
+    return ((exponent + _F32_BIAS) << FP32_EXP_SHIFT).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f16_scale_for(abs_max_bits):
+    """The activations' scale 2^t and the dot's rescale 2^(14 - t), fp32, from
+    the bf16 bits of their largest magnitude (an int32): t puts that magnitude
+    just below 2^15. All-zero (or subnormal) activations take t = 126."""
+    exponent = abs_max_bits >> _BF16_EXPONENT_SHIFT  # biased: the largest is below 2^(exponent - 126)
+    t = tl.minimum(F16_ACT_LIMIT_EXPONENT + _F32_BIAS - 1 - exponent, _F32_MAX_POWER)
+    return power_of_two(t), power_of_two(-t + F16_PLACED_EXPONENT)
+
+
+@triton.jit
+def bf16_abs_max_bits(row_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """The bf16 bits (int32) of the largest magnitude among row_ptr[0 .. N) (bf16)."""
+    offsets = tl.arange(0, BLOCK)
+    most = tl.zeros((BLOCK,), tl.int32)
+    for start in tl.static_range(0, N, BLOCK):
+        bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + start + offsets, mask=start + offsets < N, other=0)
+        most = tl.maximum(most, bits.to(tl.int32) & _BF16_ABS)
+    return tl.max(most, axis=0)
+
+
+@triton.jit
+def f16_act_pairs(acts, scale):
+    """A step's bf16 activations (load_act_pairs: int32 pairs (2P, 2P + 1) of
+    every word) times ``scale`` as the f16x2 pairs the placed nibbles J and
+    J + 4 meet, J = 0 .. 3, each [G, 1, 4] (broadcast over rows)."""
+    p0, p1, p2, p3 = acts
+    pair0 = pack_f16x2((p0 << BF16_SHIFT).to(tl.float32, bitcast=True) * scale,
+                       (p2 << BF16_SHIFT).to(tl.float32, bitcast=True) * scale)
+    pair1 = pack_f16x2((p0 & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * scale,
+                       (p2 & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * scale)
+    pair2 = pack_f16x2((p1 << BF16_SHIFT).to(tl.float32, bitcast=True) * scale,
+                       (p3 << BF16_SHIFT).to(tl.float32, bitcast=True) * scale)
+    pair3 = pack_f16x2((p1 & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * scale,
+                       (p3 & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * scale)
+    return pair0[:, None, :], pair1[:, None, :], pair2[:, None, :], pair3[:, None, :]
+
+
+@triton.jit
+def _f16_word_sums(words, pairs):
+    """Each word's 8 products in f16x2 (4 a half), [G, R, 4] int32."""
+    pair0, pair1, pair2, pair3 = pairs
+    acc = hfma2(e2m1_f16x2(words, 0), pair0, tl.zeros(words.shape, tl.int32))
+    acc = hfma2(e2m1_f16x2(words, 2), pair2, acc)
+    acc = hfma2(e2m1_f16x2(words, 1), pair1, acc)
+    return hfma2(e2m1_f16x2(words, 3), pair3, acc)
+
+
+@triton.jit
+def mxfp4_f16_group_dot(words, pairs):
+    """words [G, R, 4] int32 in f16 order, a step's activation pairs
+    (f16_act_pairs) -> [G, R] fp32: each group's sum of E2M1 * a * 2^(t - 14)
+    (scale not applied)."""
+    sums = _f16_word_sums(words, pairs)
+    # the four words' sums pairwise: (0 + 1) + (2 + 3), all in the thread's registers
+    even, odd = tl.split(tl.reshape(sums, (sums.shape[0], sums.shape[1], WORDS_PER_GROUP // 2, 2)))
+    first, second = tl.split(hadd2(even, odd))
+    return f16x2_sum(hadd2(first, second))
+
+
+@triton.jit
+def mxfp4_f16_group_dot_pair(words_a, words_b, pairs):
+    """mxfp4_f16_group_dot of two weight tiles against one step's activation pairs."""
+    return mxfp4_f16_group_dot(words_a, pairs), mxfp4_f16_group_dot(words_b, pairs)
+
+
 @triton.jit
 def _dequant_kernel(
     packed_ptr,  # u8 [R, C/2]
@@ -423,10 +621,12 @@ def _dequant_kernel(
 
 
 def launch_dequant(packed, scale, out, dequant: int = DEFAULT_DEQUANT) -> None:
-    """packed [R, C/2] u8, scale [R, C/32] u8 -> out [R, C] fp32 (exact values)."""
+    """packed [R, C/2] u8 (i8 in f16 order for DEQUANT_F16), scale [R, C/32] u8 -> out [R, C] fp32 (exact values)."""
     rows, groups = scale.shape
     if packed.shape != (rows, groups * MXFP4_GROUP // _PACKING) or out.shape != (rows, groups * MXFP4_GROUP):
         raise ValueError(f"launch_dequant: shapes {list(packed.shape)}, {list(scale.shape)}, {list(out.shape)} disagree")
-    if packed.dtype != scale.dtype or packed.dtype.itemsize != 1 or out.dtype.itemsize != 4:
-        raise ValueError("launch_dequant: expected uint8 packed and scale, fp32 out")
+    if scale.dtype != torch.uint8 or packed.dtype not in (torch.uint8, torch.int8) or out.dtype != torch.float32:
+        raise ValueError("launch_dequant: expected uint8 (or int8 in f16 order) packed, uint8 scale, fp32 out")
+    if (packed.dtype == torch.int8) != (dequant == DEQUANT_F16):
+        raise ValueError("launch_dequant: int8 packed (f16 order) goes with DEQUANT_F16, uint8 with the others")
     _dequant_kernel[(rows,)](packed, scale, out, G_ROW=groups, BLOCK_G=triton.next_power_of_2(groups), DEQUANT=dequant, num_warps=1)
