@@ -113,6 +113,7 @@ def mma_order(packed: torch.Tensor) -> torch.Tensor:
 _NIBBLE_LOW_BITS = 0x77  # each nibble's exponent and mantissa bits (2..0)
 _NIBBLE_SIGNS = 0x88  # each nibble's sign (bit 3)
 _SIGN_TO_BIT0 = 3
+_F16_CHUNK_BYTES = 1 << 26  # bytes turned at once (a shard's experts hold gigabytes: temporaries stay small)
 
 
 def f16_order(packed: torch.Tensor) -> torch.Tensor:
@@ -124,8 +125,11 @@ def f16_order(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.shape[-1] * 2 % MXFP4_GROUP:
         raise K3InputError(f"f16_order: expected uint8 [..., R, C/2] with C a multiple of {MXFP4_GROUP}, "
                            f"got {packed.dtype} {list(packed.shape)}")
-    turned = ((packed & _NIBBLE_LOW_BITS) << 1) | ((packed & _NIBBLE_SIGNS) >> _SIGN_TO_BIT0)
-    return turned.view(torch.int8)
+    flat = packed.contiguous().view(-1)
+    turned = torch.empty_like(flat)
+    for source, target in zip(flat.split(_F16_CHUNK_BYTES), turned.split(_F16_CHUNK_BYTES)):
+        torch.bitwise_or((source & _NIBBLE_LOW_BITS) << 1, (source & _NIBBLE_SIGNS) >> _SIGN_TO_BIT0, out=target)
+    return turned.view(torch.int8).view(packed.shape)
 
 
 class ExpertOrderCache:

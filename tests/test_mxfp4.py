@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3mono.errors import K3InputError
-from k3mono.mxfp4 import ExpertOrderCache, dequantize, e2m1_table, mma_order, quantize
+from k3mono.mxfp4 import ExpertOrderCache, dequantize, e2m1_table, f16_order, mma_order, quantize
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -127,3 +127,17 @@ def test_mma_order_cache_converts_each_distinct_tensor_once():
     assert cache(packed) is words and cache.conversions == 1
     second_expert = cache(packed[1])
     assert torch.equal(second_expert, mma_order(packed[1])) and cache.conversions == 2
+
+
+def test_f16_order_turns_every_nibble_and_keeps_its_place():
+    """Each nibble s e1 e0 m becomes e1 e0 m s (sign to bit 0) where it was, as int8;
+    the cache converts each distinct tensor once."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # every byte: every nibble in both halves
+    turned = f16_order(packed)
+    assert turned.dtype == torch.int8 and turned.shape == packed.shape
+    for half in (0, 4):
+        nibble = (packed.int() >> half) & 0xF
+        want = ((nibble & 0x7) << 1) | (nibble >> 3)
+        assert torch.equal((turned.view(torch.uint8).int() >> half) & 0xF, want)
+    cache = ExpertOrderCache(f16_order)
+    assert cache(packed) is cache(packed) and cache.conversions == 1

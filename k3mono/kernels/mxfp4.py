@@ -444,12 +444,10 @@ F16_PLACED_EXPONENT = tl.constexpr(14)  # a placed nibble is E2M1 * 2^-14
 F16_TO_FP32_PLACED = tl.constexpr(2.0**-112)  # E2M1 * 2^-14 -> the fp32 placement's E2M1 * 2^-126
 F16_ACT_LIMIT_EXPONENT = tl.constexpr(15)  # activations times 2^t stay below 2^15
 _F32_BIAS = tl.constexpr(127)
-_F32_MAX_POWER = tl.constexpr(126)  # 2^t for t above this leaves no room for 2^(14 - t) ... at the other end
+_F32_MAX_POWER = tl.constexpr(126)  # the largest t: 2^t and 2^(14 - t) both normal fp32
 _BF16_EXPONENT_SHIFT = tl.constexpr(7)  # a bf16's exponent field sits above its 7 mantissa bits
 _BF16_ABS = tl.constexpr(0x7FFF)
 _HALF_MASK = tl.constexpr(0xFFFF)
-
-
 
 
 @triton.jit
