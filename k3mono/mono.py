@@ -81,7 +81,7 @@ import torch
 from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, check_same_device, check_unit_stride, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
-from .mxfp4 import ExpertOrderCache, expert_order_cache
+from .mxfp4 import ExpertOrderCache, expert_order, expert_order_cache
 from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
                       next_pow2, plan, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
@@ -359,8 +359,7 @@ def build(key: MonoBuild) -> Compiled:
     if key.trace and _interpreting():
         raise K3InputError("trace: the task trace reads the GPU's timer (inline PTX); the interpreter has none")
     from .kernels import common
-    from .kernels import experts
-    from .kernels.experts import _block_groups
+    from .kernels.experts import DEFAULT_DEQUANT, DEQUANT_F16, _block_groups
     from .kernels.gemv import even_k
 
     cfg, T, S = key.cfg, key.tp, key.tokens
@@ -396,7 +395,7 @@ def build(key: MonoBuild) -> Compiled:
         GU_ROWS=g.expert_gate_up.rows, GU_BG=_block_groups(g.expert_gate_up),
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
-        EXPERT_DEQUANT=experts.DEQUANT_F16 if key.tiles.expert_f16 else experts.DEFAULT_DEQUANT,
+        EXPERT_DEQUANT=DEQUANT_F16 if key.tiles.expert_f16 else DEFAULT_DEQUANT,
         VB=g.vector_block, CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),
         BETA=float(cfg.situ_beta), LINEAR_BETA=float(cfg.situ_linear_beta),
@@ -662,18 +661,9 @@ def launch_args(w: LayerWeights, expert_words: ExpertOrderCache | None = None) -
     )
 
 
-def expert_order_of(tiles: TileChoice) -> tuple[torch.dtype, str]:
-    """The dtype and name of the order a build's expert loops read their weights in."""
-    if tiles.expert_mma:
-        return torch.int32, "mma order (k3mono.mxfp4.mma_order), as the build's tiles.expert_mma says"
-    if tiles.expert_f16:
-        return torch.int8, "f16 order (k3mono.mxfp4.f16_order), as the build's tiles.expert_f16 says"
-    return torch.uint8, "the checkpoint's bytes, as the build's tiles say"
-
-
 def check_expert_order(key: MonoBuild, w1, w3, w2) -> None:
-    """The expert weights in the order the build reads (expert_order_of)."""
-    want, order = expert_order_of(key.tiles)
+    """The expert weights in the order the build reads (k3mono.mxfp4.expert_order)."""
+    _, want, order = expert_order(key.tiles)
     for name, t in (("w13[0]", w1), ("w13[1]", w3), ("w2", w2)):
         if not isinstance(t, torch.Tensor) or t.dtype != want:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__

@@ -158,11 +158,17 @@ class ExpertOrderCache:
         return len(self._made)
 
 
-def expert_order_cache(tiles) -> ExpertOrderCache | None:
-    """The conversion a build's expert loops read their weights in (planner.TileChoice:
-    expert_mma, mma_order; expert_f16, f16_order), or None for the checkpoint's bytes."""
+def expert_order(tiles) -> tuple:
+    """The order a build's expert loops read their weights in (planner.TileChoice):
+    (the conversion from the checkpoint's bytes, or None; its dtype; its name)."""
     if tiles.expert_mma:
-        return ExpertOrderCache(mma_order)
+        return mma_order, torch.int32, "mma order (k3mono.mxfp4.mma_order), as the build's tiles.expert_mma says"
     if tiles.expert_f16:
-        return ExpertOrderCache(f16_order)
-    return None
+        return f16_order, torch.int8, "f16 order (k3mono.mxfp4.f16_order), as the build's tiles.expert_f16 says"
+    return None, torch.uint8, "the checkpoint's bytes, as the build's tiles say"
+
+
+def expert_order_cache(tiles) -> ExpertOrderCache | None:
+    """A cache of the conversion expert_order names, or None for the checkpoint's bytes."""
+    convert, _, _ = expert_order(tiles)
+    return ExpertOrderCache(convert) if convert is not None else None

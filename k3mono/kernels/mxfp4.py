@@ -252,12 +252,21 @@ def load_act_pairs(act_ptrs, act_ok):
 
 
 @triton.jit
+def _bf16_of_pair(both, HIGH: tl.constexpr):
+    """The high (HIGH) or low bf16 of int32 pairs as fp32, exactly. A bf16 is the
+    high half of its fp32: the low element moves up, the high one is masked in place."""
+    if HIGH:
+        return (both & BF16_HIGH_HALF).to(tl.float32, bitcast=True)
+    else:
+        return (both << BF16_SHIFT).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _prescaled_pair(both):
     """Activations of nibbles 2P and 2P + 1 from their int32 pair ``both``, as
-    fp32 * 2^63, each [G, 1, 4] (broadcast over rows). A bf16 is the high half
-    of its fp32: the low element moves up, the high one is masked in place."""
-    low = (both << BF16_SHIFT).to(tl.float32, bitcast=True) * ACT_PRESCALE
-    high = (both & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * ACT_PRESCALE
+    fp32 * 2^63, each [G, 1, 4] (broadcast over rows)."""
+    low = _bf16_of_pair(both, False) * ACT_PRESCALE
+    high = _bf16_of_pair(both, True) * ACT_PRESCALE
     return low[:, None, :], high[:, None, :]
 
 
@@ -557,15 +566,18 @@ def f16_act_pairs(acts, scale):
     every word) times ``scale`` as the f16x2 pairs the placed nibbles J and
     J + 4 meet, J = 0 .. 3, each [G, 1, 4] (broadcast over rows)."""
     p0, p1, p2, p3 = acts
-    pair0 = pack_f16x2((p0 << BF16_SHIFT).to(tl.float32, bitcast=True) * scale,
-                       (p2 << BF16_SHIFT).to(tl.float32, bitcast=True) * scale)
-    pair1 = pack_f16x2((p0 & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * scale,
-                       (p2 & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * scale)
-    pair2 = pack_f16x2((p1 << BF16_SHIFT).to(tl.float32, bitcast=True) * scale,
-                       (p3 << BF16_SHIFT).to(tl.float32, bitcast=True) * scale)
-    pair3 = pack_f16x2((p1 & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * scale,
-                       (p3 & BF16_HIGH_HALF).to(tl.float32, bitcast=True) * scale)
+    pair0 = _scaled_f16x2(p0, p2, False, scale)
+    pair1 = _scaled_f16x2(p0, p2, True, scale)
+    pair2 = _scaled_f16x2(p1, p3, False, scale)
+    pair3 = _scaled_f16x2(p1, p3, True, scale)
     return pair0[:, None, :], pair1[:, None, :], pair2[:, None, :], pair3[:, None, :]
+
+
+@triton.jit
+def _scaled_f16x2(low_pair, high_pair, HIGH: tl.constexpr, scale):
+    """One bf16 of each int32 pair (the high halves with HIGH, else the low) times
+    ``scale``, as an f16x2: low_pair's in the low half."""
+    return pack_f16x2(_bf16_of_pair(low_pair, HIGH) * scale, _bf16_of_pair(high_pair, HIGH) * scale)
 
 
 @triton.jit
