@@ -25,7 +25,8 @@
 # shared: the shared gate/up task rows; route: the route's tasks before the shared ones;
 # final_bulk: PREFETCH_FINAL tasks with the bulk prefetch; shared_late: SHARED_GU after EXPERT_GU;
 # tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case; expert_f16: the expert loops summing
-# in f16 timed (staged stages, mono off / on) and checked; expert_mma: the expert
+# in f16 timed (staged stages, mono off / on) and checked; ctas_f16: 3 and 4 CTAs a SM with f16 sums (mono);
+# expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -165,6 +166,16 @@ for s in $STEPS; do
             --expert-lookahead 1 --expert-f16 0 1
         step expert_f16_check 200 python3 benchmarks/gpu_check.py --skip-staged --tokens 1 8 16 --expert-f16 1 \
             --grids --occupy-sms 0 --layers-tokens ;;
+    ctas_f16)  # 3 and 4 CTAs a SM (planner.resident_register_cap: 168, 128 registers) with f16 sums, beside the
+        # defaults (2 CTAs; fp32 sums below S = 8); at S = 1 also smaller gate/up and down tasks for the larger grid
+        step ctas_f16_s1_base 80 $MONO_SWEEP --tokens 1 --ctas 2 --prefetch 0 --prefetch-final 1 --expert-lookahead 1 \
+            --down-rows 16 --shared-late 1 --expert-evict-first 1 --shared-step-kb 16 --expert-f16 0 1
+        step ctas_f16_s1 200 $MONO_SWEEP --tokens 1 --ctas 3 4 --prefetch 0 --prefetch-final 1 --expert-lookahead 1 \
+            --shared-late 1 --expert-evict-first 1 --shared-step-kb 16 --expert-f16 1 --gate-up-rows 32 16 --down-rows 16 8
+        step ctas_f16_s2 100 $MONO_SWEEP --tokens 2 --ctas 2 4 --prefetch 0 --prefetch-final 1 --expert-lookahead 1 \
+            --expert-evict-first 1 --expert-f16 0 1
+        step ctas_f16_s816 160 $MONO_SWEEP --tokens 8 16 --ctas 2 3 4 --prefetch 0 --prefetch-final 1 \
+            --expert-lookahead 1 --expert-f16 1 ;;
     tiles)  # gate/up and down task rows (TileChoice.gate_up_rows, down_rows), mono only, S = 1, 2 and 8
         step mono_tiles_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 8 --down-rows 32 16 8 --skip-staged

@@ -82,8 +82,8 @@ from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, check_same_device, check_unit_stride, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
 from .mxfp4 import ExpertOrderCache, expert_order, expert_order_cache
-from .planner import (COL, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
-                      next_pow2, plan, timing_variant)
+from .planner import (COL, MONO_WARPS, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
+                      next_pow2, plan, resident_register_cap, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_blocks, check_layer_inputs
 from .weights import LayerWeights, check_shard
@@ -612,7 +612,7 @@ def k2_launch(
         views(own, torch.float32), views(own, torch.bfloat16), views(own, torch.int32),
         peer_table,
         rank, epoch, layer, health, int(alarm), len(c.table.tasks), trace,
-        **c.consts, num_warps=4, **_register_cap(key),
+        **c.consts, num_warps=MONO_WARPS, **_register_cap(key),
     )
 
 
@@ -1001,10 +1001,14 @@ def mono_key(cfg: K3Config, tokens: int, tp: int, layer: int, *, loopback: bool,
              options: MonoOptions | None = None, prefetch: int = DEFAULT_PREFETCH, scope: str = "gpu",
              max_registers: int | None = None, trace: bool = False) -> MonoBuild:
     """The build key of a rank's launch for ``layer`` (its AttnRes candidate pad),
-    the measured defaults (default_options, DEFAULT_PREFETCH) unless given."""
+    the measured defaults (default_options, DEFAULT_PREFETCH) unless given; the
+    register cap, unless given, the one that keeps options.ctas_per_sm CTAs
+    resident (planner.resident_register_cap)."""
     from .kernels.attnres import num_candidates_pad
 
     options = options or default_options(tokens)
+    if max_registers is None:
+        max_registers = resident_register_cap(options.ctas_per_sm)
     return MonoBuild(cfg=cfg, tokens=tokens, tp=tp, opt=options.bits(), cands=num_candidates_pad(cfg.num_blocks(layer)),
                      loopback=loopback, sms=sms, ctas_per_sm=options.ctas_per_sm, prefetch=prefetch, scope=scope,
                      m1b=options.m1b, m1c=options.m1c, max_registers=max_registers,

@@ -27,10 +27,9 @@ from triton.runtime.jit import create_function_from_signature
 
 import torch
 
-from .planner import TileChoice
+from .planner import SM_REGISTERS, TileChoice
 
 HOPPER = GPUTarget("cuda", 90, 32)
-SM_REGISTERS = 65536
 SM_SHARED_BYTES = 228 * 1024
 SM_MAX_THREADS = 2048
 _TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

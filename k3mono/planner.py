@@ -1333,6 +1333,32 @@ def _check_invariant(tasks: tuple[Task, ...]) -> None:
             raise AssertionError(f"planner: ticket {task.ticket} has {len(task.waits)} waits, at most {MAX_WAITS}")
 
 
+MONO_WARPS = 4
+"""Warps of a mono CTA: every task kind's tile is laid out for 4 (the dense and
+MXFP4 loops' rows a warp, the seam's and the route's reductions)."""
+
+SM_REGISTERS = 65536
+"""32-bit registers of a Hopper SM (the H100 and H200 alike), shared by its resident CTAs."""
+
+REGISTER_ALLOCATION_UNIT = 8
+"""ptxas gives a thread registers in multiples of 8."""
+
+COMPILER_MAX_REGISTERS = 255
+
+
+def resident_register_cap(ctas_per_sm: int, warps: int = MONO_WARPS) -> int | None:
+    """The maxnreg that lets ``ctas_per_sm`` CTAs of ``warps`` warps stay on one
+    SM at once, None where the compiler's own choice (at most 255) already does
+    (2 CTAs of 4 warps). Without it a planned third or fourth CTA would wait for a
+    slot, the grid larger than what runs. 3 CTAs: 168, 4: 128; the f16 expert
+    loops (TileChoice.expert_f16) fit 168 with no spill inside a step loop, 128 with
+    one to five loads and stores a step (offline sm_90a builds, docs/PERF.md)."""
+    fit = SM_REGISTERS // (ctas_per_sm * warps * 32)
+    if fit >= COMPILER_MAX_REGISTERS:
+        return None
+    return fit - fit % REGISTER_ALLOCATION_UNIT
+
+
 def cta_count(num_tasks: int, sms: int, ctas_per_sm: int = 1) -> int:
     """``ctas_per_sm`` CTAs an SM (persistent: each walks tickets until none is
     left), never more CTAs than tickets: an extra CTA would find none."""

@@ -24,7 +24,8 @@ from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOW
                          MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, mono_key, peer_regions,
                          scratch_regions)
 from k3mono.mxfp4 import mma_order
-from k3mono.planner import COL, M1bShape, MonoOptions, TaskKind, TileChoice, expert_mma_tile
+from k3mono.planner import (COL, MONO_WARPS, SM_REGISTERS, M1bShape, MonoOptions, TaskKind, TileChoice,
+                            expert_mma_tile)
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
@@ -398,6 +399,20 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     assert all(k.options.prefetch_final for k in keys.values())
     given = MonoOptions(tiles=TileChoice(down_rows=32))
     assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).options == given
+
+
+def test_a_build_key_caps_registers_so_its_planned_ctas_stay_resident():
+    """mono_key takes the register cap that lets options.ctas_per_sm CTAs of
+    MONO_WARPS warps share an SM's registers (none where 255 already fits), and
+    keeps a caller's cap as given."""
+    cfg = preset("kimi-k3")
+    caps = {n: mono_key(cfg, 8, 8, 25, loopback=True, sms=132, options=MonoOptions(ctas_per_sm=n)).max_registers
+            for n in (1, 2, 3, 4, 8)}
+    assert caps == {1: None, 2: None, 3: 168, 4: 128, 8: 64}
+    for n, cap in caps.items():
+        assert cap is None or cap * n * MONO_WARPS * 32 <= SM_REGISTERS < (cap + 8) * n * MONO_WARPS * 32
+    given = mono_key(cfg, 8, 8, 25, loopback=True, sms=132, options=MonoOptions(ctas_per_sm=4), max_registers=96)
+    assert given.max_registers == 96
 
 
 def test_mono_rejects_more_than_16_tokens():
