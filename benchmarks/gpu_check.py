@@ -240,6 +240,12 @@ def chosen_tiles(args, tokens: int) -> TileChoice:
     return dataclasses.replace(default_tiles(tokens), **given)
 
 
+def chosen_options(args, tokens: int):
+    """default_options for S = ``tokens`` with the tiles, pause and CTAs a SM the arguments give."""
+    ctas = {} if args.ctas_per_sm is None else {"ctas_per_sm": args.ctas_per_sm}
+    return default_options(tokens, tiles=chosen_tiles(args, tokens), poll_sleep_ns=args.poll_sleep_ns, **ctas)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 8])
@@ -251,7 +257,8 @@ def main() -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"TileChoice.{name} (default: mono.default_tiles(S)'s)")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
-    parser.add_argument("--ctas-per-sm", type=int, default=DEFAULT_CTAS_PER_SM, help="MonoOptions.ctas_per_sm")
+    parser.add_argument("--ctas-per-sm", type=int, default=None,
+                        help="MonoOptions.ctas_per_sm (default: mono.default_ctas_per_sm(S))")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     parser.add_argument("--layers-tokens", type=int, nargs="*", default=[1],
@@ -283,12 +290,10 @@ def main() -> int:
             del staged
         if not args.skip_mono:
             for tokens in args.tokens:
-                options = default_options(tokens, ctas_per_sm=args.ctas_per_sm, tiles=chosen_tiles(args, tokens),
-                                          poll_sleep_ns=args.poll_sleep_ns)
+                options = chosen_options(args, tokens)
                 failures += mono_case(cfg, full, shards, tp, tokens, device, options)
             for tokens in args.layers_tokens if tp == 1 else ():
-                options = default_options(tokens, ctas_per_sm=args.ctas_per_sm, tiles=chosen_tiles(args, tokens),
-                                          poll_sleep_ns=args.poll_sleep_ns)
+                options = chosen_options(args, tokens)
                 other = random_shard(cfg, 1, seed=8, device=device)
                 failures += layers_case(cfg, {LAYER: full, OTHER_LAYER: other}, tokens, device, options)
                 del other

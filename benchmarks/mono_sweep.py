@@ -14,9 +14,10 @@ grid, not a register budget, sets how many warps an SM holds).
                                     [--oproj-rows 8 16 32 64] [--final-rows 8 16 32 64] [--expert-mma 0 1]
                                     [--skip-staged | --skip-mono]
 
-``--ctas C:R`` plans C CTAs a SM and caps the build at R registers a thread
-(maxnreg): uncapped, the build takes 253 to 255 and only 2 CTAs fit a SM
-(benchmarks/resource_check.py); 168 lets 3 fit, 128 lets 4, at the cost of spills.
+``--ctas C`` plans C CTAs a SM, the build capped at the registers that keep them
+resident (planner.resident_register_cap: 3 CTAs 168, 4 CTAs 128; uncapped the build
+takes up to 255 and only 2 fit a SM, benchmarks/resource_check.py); ``--ctas C:R``
+caps it at R registers a thread (maxnreg) instead.
 ``--poll-sleep-ns`` the pause of a waiting CTA between polls (MonoOptions.poll_sleep_ns);
 ``--expert-lookahead`` whether the expert loops load a step ahead (TileChoice.expert_lookahead);
 ``--prefetch-final`` whether PREFETCH_FINAL tasks pull FINAL's weights into L2 (MonoOptions.prefetch_final);
@@ -69,7 +70,7 @@ def _tiles_text(tiles: TileChoice) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--ctas", nargs="+", default=["1", "2", "3:168", "4:128"], help="CTAs a SM[:register cap]")
+    parser.add_argument("--ctas", nargs="+", default=["1", "2", "3", "4"], help="CTAs a SM[:register cap]")
     parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--dense-step-kb", type=int, nargs="+", default=[DENSE_STEP_KB])
     parser.add_argument("--shared-step-kb", type=int, nargs="+", default=[DENSE_STEP_KB],

@@ -6,8 +6,9 @@ their sm_90a builds without a GPU (k3mono/offline.py).
     PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
 
 For the mono kernel: registers, spills and shared memory, hence the CTAs an
-SM holds (its grid is planned for DEFAULT_CTAS_PER_SM; CTAs past what fits
-wait for a whole earlier CTA to end). For the expert kernels: the same, and
+SM holds (its grid is planned for mono.default_ctas_per_sm(S), the build capped
+at the registers that keep them resident; CTAs past what fits would wait for a
+whole earlier CTA to end). For the expert kernels: the same, and
 their hot loop's SASS: instructions a weight value, by opcode. With
 --expert-mma: the mono build with TileChoice.expert_mma and the expert
 kernels on tensor cores (weights in mma order). With --m1c-alone: M1c
@@ -25,7 +26,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # real builds, not the interpreter
 
 from k3mono import offline  # noqa: E402
 from k3mono.config import preset  # noqa: E402
-from k3mono.mono import DEFAULT_CTAS_PER_SM, DEFAULT_PREFETCH, default_tiles  # noqa: E402
+from k3mono.mono import DEFAULT_PREFETCH, default_ctas_per_sm, default_tiles  # noqa: E402
 
 M1C_SPLITS = {1: 264, 4: 66, 16: 16}  # bench_mla.fused_splits at 132 SMs
 M1C_CONTEXT = 2048  # the build does not depend on it (runtime lengths)
@@ -70,7 +71,7 @@ def main() -> int:
         return m1c_alone(args.tokens)
     cfg = preset("kimi-k3")
     print(f"sm_90a builds, preset kimi-k3, T={args.tp}; mono with {'loopback' if args.loopback else 'full'} peers, "
-          f"planned {DEFAULT_CTAS_PER_SM} CTAs a SM on {offline.H200_SMS} SMs")
+          f"on {offline.H200_SMS} SMs")
     prefetch = DEFAULT_PREFETCH if args.prefetch is None else args.prefetch
     for tokens in args.tokens:
         given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows, "expert_mma": args.expert_mma or None}
@@ -80,7 +81,7 @@ def main() -> int:
         experts_text = ("expert tasks on tensor cores" if tiles.expert_mma
                         else f"gate/up rows {tiles.gate_up_rows}, down rows {tiles.down_rows}")
         print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} ({experts_text}, prefetch {prefetch}): "
-              f"grid {grid[0]} CTAs, {usage_text(compiled)}", flush=True)
+              f"grid {grid[0]} CTAs (planned {default_ctas_per_sm(tokens)} a SM), {usage_text(compiled)}", flush=True)
         for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens, mma=args.expert_mma):
             loop = max(offline.sass_loops(compiled), key=len)
             ops = offline.opcode_counts(loop)

@@ -7,13 +7,13 @@ with no output file written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
 
 from .config import PRESETS
 from .errors import K3InputError
-from .planner import DENSE_STEP_KB, EXPERT_ROWS, HIDDEN_ROWS, LATENT_ROWS, ROUTER_ROWS, SHARED_ROWS
 from .validate import check_tokens
 
 CHECK_PRESET = "tiny"
@@ -25,6 +25,20 @@ the kernel tests; here it would triple the interpreter's time on a CPU-only mach
 CHECK_TPS = (1, 4)
 """One rank, and four in loopback (three ranks' pushes pre-written, one MXFP4 group a
 rank in the tiny preset); T = 2 runs in the staged, mono and ranks tests."""
+
+PLAN_TILE_KNOBS = {
+    "dense_step_kb": "KB of weight a dense GEMV task loads a step",
+    "gate_up_rows": "output rows of an MXFP4 gate/up task",
+    "down_rows": "output rows of an MXFP4 down task",
+    "router_rows": "rows of a router task on the FMA path, S <= 4",
+    "latent_rows": "rows of a latent down-projection task on the FMA path, S <= 4",
+    "shared_rows": "rows of a shared-expert gate/up task on the FMA path, S <= 4",
+    "oproj_rows": "rows of an o_proj task",
+    "final_rows": "rows of a FINAL task",
+}
+"""TileChoice fields ``plan`` takes as flags; each left out is the mono launch's
+measured default for the S asked (mono.default_options), as are --ctas-per-sm and
+--prefetch-final, so the table printed is the one ``run --impl mono`` launches."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,23 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--sms", type=int, required=True, help="SMs (CUs) of the device: 132 on an H200, 256 on an MI355X")
     plan.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS))
     plan.add_argument("--nblocks", type=int, default=None, help="AttnRes blocks for the floor (default: the deepest layer's)")
-    plan.add_argument("--prefetch-final", action="store_true", help="L2-prefetch FINAL's weights after the experts")
-    plan.add_argument("--ctas-per-sm", type=int, default=1, help="resident CTAs an SM is given (default 1)")
-    plan.add_argument("--dense-step-kb", type=int, default=DENSE_STEP_KB,
-                      help=f"KB of weight a dense GEMV task loads a step (default {DENSE_STEP_KB})")
-    plan.add_argument("--gate-up-rows", type=int, default=EXPERT_ROWS,
-                      help=f"output rows of an MXFP4 gate/up task (default {EXPERT_ROWS})")
-    plan.add_argument("--down-rows", type=int, default=EXPERT_ROWS,
-                      help=f"output rows of an MXFP4 down task (default {EXPERT_ROWS})")
-    plan.add_argument("--router-rows", type=int, default=ROUTER_ROWS,
-                      help=f"rows of a router task on the FMA path, S <= 4 (default {ROUTER_ROWS})")
-    plan.add_argument("--latent-rows", type=int, default=LATENT_ROWS,
-                      help=f"rows of a latent down-projection task on the FMA path, S <= 4 (default {LATENT_ROWS})")
-    plan.add_argument("--shared-rows", type=int, default=SHARED_ROWS,
-                      help=f"rows of a shared-expert gate/up task on the FMA path, S <= 4 (default {SHARED_ROWS})")
-    for knob, task in (("oproj", "an o_proj"), ("final", "a FINAL")):
-        plan.add_argument(f"--{knob}-rows", type=int, default=HIDDEN_ROWS,
-                          help=f"rows of {task} task (default {HIDDEN_ROWS})")
+    plan.add_argument("--prefetch-final", action=argparse.BooleanOptionalAction, default=None,
+                      help="L2-prefetch FINAL's weights after the experts")
+    plan.add_argument("--ctas-per-sm", type=int, default=None, help="resident CTAs an SM is given")
+    for name, what in PLAN_TILE_KNOBS.items():
+        plan.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=what)
     plan.add_argument("--m1b-splits", type=int, default=None,
                       help="an MLA layer's table: M1b (combining this many M1c splits) runs first in the launch")
     ranks = sub.add_parser("ranks", help="T ranks of the mono launch exchanging for real, checked and timed")
@@ -239,16 +241,16 @@ def cmd_bench(args) -> int:
 def cmd_plan(args) -> int:
     from .config import preset
     from .floor import floor_bytes
-    from .planner import M1bShape, MonoOptions, TileChoice, plan
+    from .mono import default_options
+    from .planner import M1bShape, plan
     from .reference.mla import LATENT_DIM
 
     cfg = preset(args.preset)
     m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
-    options = MonoOptions(prefetch_final=args.prefetch_final, ctas_per_sm=args.ctas_per_sm, m1b=m1b,
-                          tiles=TileChoice(dense_step_kb=args.dense_step_kb, gate_up_rows=args.gate_up_rows,
-                                           down_rows=args.down_rows, router_rows=args.router_rows,
-                                           latent_rows=args.latent_rows, shared_rows=args.shared_rows,
-                                           oproj_rows=args.oproj_rows, final_rows=args.final_rows))
+    given_tiles = {name: getattr(args, name) for name in PLAN_TILE_KNOBS if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in ("prefetch_final", "ctas_per_sm") if getattr(args, name) is not None}
+    options = default_options(args.tokens, m1b=m1b, **given)
+    options = dataclasses.replace(options, tiles=dataclasses.replace(options.tiles, **given_tiles))
     table = plan(cfg, args.tp, args.tokens, args.sms, options)
     floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks,
                         m1b=m1b)

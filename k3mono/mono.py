@@ -131,6 +131,24 @@ gave nothing more); the L2 prefetch before a blocking wait (mode 1), then a
 read through the SM, cost 20 to 40 us (it read each weight tile twice through the
 SM and kept nothing in registers across the wait)."""
 
+MANY_TOKENS_CTAS_PER_SM = 3
+MANY_CTAS_MIN_TOKENS = 12
+"""From S = MANY_CTAS_MIN_TOKENS on the mono launch plans MANY_TOKENS_CTAS_PER_SM
+CTAs a SM, capped at the registers that keep them resident (168,
+planner.resident_register_cap): with the f16 expert sums (TileChoice.expert_f16)
+no step loop spills at that cap (offline sm_90a builds), and the expert phases,
+long at these S, get 12 warps a SM instead of 8. Measured on one H100, one rank of
+TP8 (benchmarks/mono_sweep.py --ctas 2 3 4, f16 sums, docs/PERF.md), 2 -> 3
+CTAs: S = 16 361.6 -> 348.6 us and again 360.9 -> 348.8, S = 12 290.4 -> 283.7;
+S = 8 218.5 -> 222.6 and S = 1 75.6 -> 88.3 lose (the latency chain's tasks share
+their SM with two more CTAs); 4 CTAs (128 registers) lost at every S but 16 (350.6)."""
+
+
+def default_ctas_per_sm(tokens: int) -> int:
+    """CTAs a SM the mono launch of S = ``tokens`` plans: DEFAULT_CTAS_PER_SM, from
+    MANY_CTAS_MIN_TOKENS on MANY_TOKENS_CTAS_PER_SM."""
+    return MANY_TOKENS_CTAS_PER_SM if tokens >= MANY_CTAS_MIN_TOKENS else DEFAULT_CTAS_PER_SM
+
 
 DEFAULT_TILES = TileChoice(expert_lookahead=True, oproj_rows=32, final_rows=32)
 """The staged path's tiles (32 expert rows, 2 router rows) with expert loops
@@ -229,10 +247,10 @@ S = 8 222.1 -> 224.8 on another call's machine."""
 
 
 def default_options(tokens: int, **choices) -> MonoOptions:
-    """MonoOptions at the measured defaults for S = ``tokens`` (DEFAULT_CTAS_PER_SM,
+    """MonoOptions at the measured defaults for S = ``tokens`` (default_ctas_per_sm,
     default_tiles, DEFAULT_POLL_SLEEP_NS, DEFAULT_PREFETCH_FINAL, SINGLE_TOKEN_SHARED_LATE
     at S = 1, expert_evict_first up to EVICT_FIRST_MAX_TOKENS), any field overridden by ``choices``."""
-    fields = dict(ctas_per_sm=DEFAULT_CTAS_PER_SM, tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS,
+    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens), tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS,
                   prefetch_final=DEFAULT_PREFETCH_FINAL, shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1,
                   expert_evict_first=tokens <= EVICT_FIRST_MAX_TOKENS)
     return MonoOptions(**{**fields, **choices})

@@ -571,8 +571,8 @@ def test_expert_launchers_check_their_inputs():
 _SM90_BUILDS = textwrap.dedent(
     r"""
     from k3mono import offline
-    from k3mono.config import preset
-    from k3mono.mono import DEFAULT_CTAS_PER_SM
+    from k3mono.config import MAX_TOKENS, preset
+    from k3mono.mono import DEFAULT_CTAS_PER_SM, default_ctas_per_sm
 
     cfg = preset("kimi-k3")
     for name, compiled, values in offline.expert_builds(cfg, 8, 1):
@@ -607,9 +607,11 @@ _SM90_BUILDS = textwrap.dedent(
         assert fits >= DEFAULT_CTAS_PER_SM, f"mono {mla}: {fits} CTAs fit a SM, the grid is planned for {DEFAULT_CTAS_PER_SM}"
         if not mla:
             plain_prefetches = compiled.asm["ptx"].count(BULK)  # PREFETCH_FINAL tasks only (prefetch mode 0)
-    compiled, _ = offline.mono_build(cfg, 8, 1, loopback=True, max_registers=168)  # the cap reaches ptxas
+    compiled, _ = offline.mono_build(cfg, 8, MAX_TOKENS, loopback=True)  # planned 3 CTAs a SM: the cap reaches ptxas
     usage = offline.resource_usage(compiled)
-    assert usage["registers"] <= 168 and offline.ctas_per_sm(usage, compiled.metadata.num_warps) == 3, usage
+    assert offline.ctas_per_sm(usage, compiled.metadata.num_warps) == default_ctas_per_sm(MAX_TOKENS) == 3, usage
+    step_loops = sorted(offline.sass_loops(compiled), key=len)[:-1]  # the longest is the task loop, once a task
+    assert not any(op.startswith(("LDL", "STL")) for loop in step_loops for op in loop), "a step loop spills"
     compiled, grid = offline.m1c_build("fp8", 1, 264, 2048)  # M1c alone, as bench_mla launches it
     usage = offline.resource_usage(compiled)
     assert grid == (1, 264, 1) and usage["stack"] == 0 and offline.ctas_per_sm(usage, 4) >= 2, (grid, usage)
@@ -630,7 +632,8 @@ def test_sm90_builds_place_nibbles_with_imad_and_mono_fits_its_planned_ctas():
     loops place each nibble with one IMAD and do not spill, and the tensor-core
     ones feed the warpgroup MMA from registers without spilling; the mono kernel
     compiles, plain and with M1c and M1b folded in, and its registers leave room
-    for the CTAs a SM its grid is planned for; M1c alone fits two programs a SM
+    for the CTAs a SM its grid is planned for (at S = 16, 3 under a register cap,
+    no step loop spilling); M1c alone fits two programs a SM
     without spilling, its fp8 tile converted from e4m3 pairs and read by ldmatrix
     rather than by byte loads; a trace build reads the global timer, waits can pause
     between polls, and the prefetch modes ask the copy engine for each kind's

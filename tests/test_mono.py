@@ -387,7 +387,8 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     down rows, SINGLE_TOKEN_SHARED_STEP_KB a shared step and SHARED_GU after
     EXPERT_GU, every other S DEFAULT_TILES and the planner's order; every S the
     FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the expert weights evict_first;
-    a caller's options are kept as given."""
+    from MANY_CTAS_MIN_TOKENS 3 CTAs a SM under a register cap that keeps them
+    resident; a caller's options are kept as given."""
     cfg = preset("kimi-k3")
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
@@ -397,6 +398,8 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     assert [k.options.shared_late for k in keys.values()] == [True, False, False, False, False]
     assert [k.options.expert_evict_first for k in keys.values()] == [s <= EVICT_FIRST_MAX_TOKENS for s in keys]
     assert all(k.options.prefetch_final for k in keys.values())
+    assert [k.ctas_per_sm for k in keys.values()] == [2, 2, 2, 2, 3]  # MANY_CTAS_MIN_TOKENS
+    assert [k.max_registers for k in keys.values()] == [None, None, None, None, 168]
     given = MonoOptions(tiles=TileChoice(down_rows=32))
     assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).options == given
 

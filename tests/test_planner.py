@@ -16,6 +16,7 @@ from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.floor import floor_bytes
 from k3mono.layout import peer_layout, scratch_layout
+from k3mono.mono import default_options
 from k3mono.planner import (
     COL,
     MAX_WAITS,
@@ -597,22 +598,27 @@ def test_the_simulation_detects_a_deadlocking_order():
 
 
 def test_cli_plan_prints_a_line_per_group_and_the_summary(capsys):
+    """The table printed is the mono launch's at its measured defaults for the S asked."""
     assert main(["plan", "--tokens", "4", "--tp", "8", "--sms", "132"]) == 0
     out = capsys.readouterr().out
-    table = table_for("kimi-k3", 8, 4)
+    table = plan(preset("kimi-k3"), 8, 4, 132, default_options(4))
     for group in table.groups():
         assert f"{group.tasks[0].ticket}-{group.tasks[-1].ticket}" in out and group.kind.name in out
     summary = table.summary()
-    assert f"summary: {summary.tasks} tasks, 132 CTAs, {summary.weight_bytes / 1e6:.3f} MB" in out
+    assert f"summary: {summary.tasks} tasks, {table.ctas} CTAs, {summary.weight_bytes / 1e6:.3f} MB" in out
     assert f"{summary.waits} waits" in out
     floor = floor_bytes(preset("kimi-k3"), 8, 4, 64)
     assert f"{floor['total'] / 1e6:.3f} MB" in out
 
 
 def test_cli_plan_options_and_presets(capsys):
-    assert main(["plan", "--tokens", "2", "--tp", "2", "--sms", "7", "--preset", "tiny", "--prefetch-final"]) == 0
+    assert main(["plan", "--tokens", "2", "--tp", "2", "--sms", "7", "--preset", "tiny", "--ctas-per-sm", "1"]) == 0
     out = capsys.readouterr().out
-    assert "PREFETCH_FINAL" in out and ", 7 CTAs" in out
+    assert "PREFETCH_FINAL" in out and ", 7 CTAs" in out  # the default prefetch, the CTAs given
+    assert main(["plan", "--tokens", "2", "--tp", "2", "--sms", "7", "--preset", "tiny", "--no-prefetch-final",
+                 "--down-rows", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "PREFETCH_FINAL" not in out and "down_rows=8" in out
 
 
 @pytest.mark.parametrize(
