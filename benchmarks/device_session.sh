@@ -26,6 +26,7 @@
 # final_bulk: PREFETCH_FINAL tasks with the bulk prefetch; shared_late: SHARED_GU after EXPERT_GU;
 # tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case; expert_f16: the expert loops summing
 # in f16 timed (staged stages, mono off / on) and checked; ctas_f16: 3 and 4 CTAs a SM with f16 sums (mono);
+# lookahead_many: the expert lookahead at 3 CTAs a SM (S = 16);
 # expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
@@ -43,6 +44,7 @@ BUDGET_S="${K3MONO_BUDGET_S:-560}"
 MLA_CONTEXTS="${MLA_CONTEXTS:-32768 1024 131072}" MLA_KV="${MLA_KV:-fp8 bf16}" MLA_TOKENS="${MLA_TOKENS:-1 4 16}"
 # The mono check's token counts (issue 4 asks for these; each adds 15 to 30 s).
 CHECK_TOKENS="${CHECK_TOKENS:-1 2 4 8 16}"
+BENCH_TOKENS="${BENCH_TOKENS:-1 8 16}"  # the bench table's token counts (each about 25 s)
 VARIANT_TOKENS="${VARIANT_TOKENS:-1 8}"  # the variants table's token counts (each about 100 s)
 # The mono sweeps' common part (mono launch only, o_proj and FINAL tasks of 32 rows).
 MONO_SWEEP="python3 benchmarks/mono_sweep.py --skip-staged --oproj-rows 32 --final-rows 32"
@@ -106,7 +108,7 @@ for s in $STEPS; do
     ranks_t8)  # the full-peer path alone, briefly: T = 8 ranks at once on green contexts, S = 1
         step ranks_green_t8 150 python3 -m k3mono ranks --tp 8 --tokens 1 --mode green --replays 20 --out "$RESULTS" ;;
     bench)
-        step bench 420 python3 -m k3mono bench --tp 8 --tokens 1 8 16 --out "$RESULTS" ;;
+        step bench 420 python3 -m k3mono bench --tp 8 --tokens $BENCH_TOKENS --out "$RESULTS" ;;
     variants)
         step mono_variants 420 python3 benchmarks/mono_variants.py --tokens $VARIANT_TOKENS ;;
     mla)
@@ -176,6 +178,9 @@ for s in $STEPS; do
             --expert-evict-first 1 --expert-f16 0 1
         step ctas_f16_s816 160 $MONO_SWEEP --tokens 8 16 --ctas 2 3 4 --prefetch 0 --prefetch-final 1 \
             --expert-lookahead 1 --expert-f16 1 ;;
+    lookahead_many)  # at 3 CTAs a SM (S >= 12) the expert loops with and without the activations a step ahead
+        step lookahead_s16 120 $MONO_SWEEP --tokens 16 --ctas 3 --prefetch 0 --prefetch-final 1 --expert-f16 1 \
+            --expert-lookahead 1 0 ;;
     tiles)  # gate/up and down task rows (TileChoice.gate_up_rows, down_rows), mono only, S = 1, 2 and 8
         step mono_tiles_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 8 --down-rows 32 16 8 --skip-staged
