@@ -2,10 +2,11 @@
 their sm_90a builds without a GPU (k3mono/offline.py).
 
     PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback]
-        [--gate-up-rows 32] [--down-rows 32] [--prefetch 0] [--expert-mma]
+        [--gate-up-rows 32] [--down-rows 32] [--prefetch 0] [--expert-mma] [--expert-f16 1] [--ctas-per-sm 3]
     PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
 
-For the mono kernel: registers, spills and shared memory, hence the CTAs an
+For the mono kernel: registers, spills (and whether the task loop or a step
+loop pays them) and shared memory, hence the CTAs an
 SM holds (its grid is planned for mono.default_ctas_per_sm(S), the build capped
 at the registers that keep them resident; CTAs past what fits would wait for a
 whole earlier CTA to end). For the expert kernels: the same, and
@@ -65,6 +66,12 @@ def main() -> int:
                         help="the mono build's TileChoice.down_rows (default: mono.default_tiles(S)'s)")
     parser.add_argument("--prefetch", type=int, default=None, help="the mono prefetch mode (mono.MonoBuild.prefetch)")
     parser.add_argument("--expert-mma", action="store_true", help="the expert tasks on tensor cores (TileChoice.expert_mma)")
+    parser.add_argument("--expert-f16", type=int, default=None, choices=[0, 1],
+                        help="the expert loops summing in f16 (TileChoice.expert_f16; default: "
+                             "mono.default_tiles(S)'s)")
+    parser.add_argument("--ctas-per-sm", type=int, default=None,
+                        help="CTAs a SM the mono build plans, its registers capped to keep them resident "
+                             "(default: mono.default_ctas_per_sm(S))")
     parser.add_argument("--m1c-alone", action="store_true", help="M1c launched alone instead (fp8 and bf16 cache)")
     args = parser.parse_args()
     if args.m1c_alone:
@@ -74,15 +81,21 @@ def main() -> int:
           f"on {offline.H200_SMS} SMs")
     prefetch = DEFAULT_PREFETCH if args.prefetch is None else args.prefetch
     for tokens in args.tokens:
-        given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows, "expert_mma": args.expert_mma or None}
+        given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows, "expert_mma": args.expert_mma or None,
+                 "expert_f16": None if args.expert_f16 is None else bool(args.expert_f16)}
         tiles = dataclasses.replace(default_tiles(tokens), **{k: v for k, v in given.items() if v is not None})
+        ctas = default_ctas_per_sm(tokens) if args.ctas_per_sm is None else args.ctas_per_sm
         compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles,
-                                             prefetch=prefetch)
+                                             prefetch=prefetch, ctas_per_sm=ctas)
         experts_text = ("expert tasks on tensor cores" if tiles.expert_mma
-                        else f"gate/up rows {tiles.gate_up_rows}, down rows {tiles.down_rows}")
+                        else f"gate/up rows {tiles.gate_up_rows}, down rows {tiles.down_rows}, "
+                             f"{'f16' if tiles.expert_f16 else 'fp32'} sums")
+        task_loop, step_loops = offline.stack_traffic(compiled)
         print(f"S={tokens:>2} mono{'+' + args.mla if args.mla else ''} ({experts_text}, prefetch {prefetch}): "
-              f"grid {grid[0]} CTAs (planned {default_ctas_per_sm(tokens)} a SM), {usage_text(compiled)}", flush=True)
-        for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens, mma=args.expert_mma):
+              f"grid {grid[0]} CTAs (planned {ctas} a SM), {usage_text(compiled)}; stack loads and stores: "
+              f"task loop {task_loop}, step loops {step_loops or 'none'}", flush=True)
+        f16 = tiles.expert_f16 and not args.expert_mma
+        for name, compiled, values in offline.expert_builds(cfg, args.tp, tokens, mma=args.expert_mma, f16=f16):
             loop = max(offline.sass_loops(compiled), key=len)
             ops = offline.opcode_counts(loop)
             top = ", ".join(f"{op} {n / values:.2f}" for op, n in ops.most_common(5))

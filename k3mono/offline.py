@@ -111,6 +111,13 @@ def sass_loops(compiled) -> list[list[str]]:
     return loops
 
 
+def stack_traffic(compiled) -> tuple[int, list[int]]:
+    """Local loads and stores (spills) inside the task loop (the longest loop: once a
+    task) and inside each shorter loop with any (step loops: every step)."""
+    spills = [sum(op.startswith(("LDL", "STL")) for op in body) for body in sorted(sass_loops(compiled), key=len)]
+    return (spills[-1] if spills else 0), [n for n in spills[:-1] if n]
+
+
 def opcode_counts(body: list[str]) -> Counter:
     """Opcodes by their base name (IMAD.SHL.U32 -> IMAD.SHL, LDG.E.128 -> LDG)."""
     def base(op: str) -> str:
@@ -139,12 +146,13 @@ MLA_CONTEXT = 1024  # a build reads no lengths: any context compiles the same ke
 
 def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_registers: int | None = None,
                tiles: TileChoice | None = None, trace: bool = False, poll_sleep_ns: int | None = None,
-               prefetch: int | None = None):
+               prefetch: int | None = None, ctas_per_sm: int | None = None):
     """The mono kernel of rank 0 as the host path launches it: (compiled, grid).
     ``mla``: "" a plain layer, "m1b" M1b folded in, "m1c" M1c and M1b folded in
     (bench_mla's inputs: one request a token, its splits and page size, bf16 cache
-    and w_v); ``max_registers`` the maxnreg cap (mono.MonoBuild); ``tiles``
-    and ``poll_sleep_ns`` MonoOptions' (None: mono.default_options');
+    and w_v); ``max_registers`` the maxnreg cap (mono.MonoBuild; None: the one
+    that keeps the planned CTAs resident); ``tiles``, ``poll_sleep_ns`` and
+    ``ctas_per_sm`` MonoOptions' (None: mono.default_options');
     ``trace`` a trace build (k3mono/trace.py); ``prefetch`` the prefetch mode
     (mono.MonoBuild; None: mono.DEFAULT_PREFETCH)."""
     from .bench_mla import FOLD_SPLITS, PAGE_SIZE, m1b_inputs, mla_layer_inputs
@@ -155,7 +163,8 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
 
     m1b = M1bShape(splits=FOLD_SPLITS, latent=512) if mla else None
     m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens) if mla == "m1c" else None
-    chosen = {name: value for name, value in (("tiles", tiles), ("poll_sleep_ns", poll_sleep_ns)) if value is not None}
+    chosen = {name: value for name, value in (("tiles", tiles), ("poll_sleep_ns", poll_sleep_ns),
+                                              ("ctas_per_sm", ctas_per_sm)) if value is not None}
     options = default_options(tokens, m1b=m1b, m1c=m1c, **chosen)
     key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options, max_registers=max_registers,
                    trace=trace, prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch)
