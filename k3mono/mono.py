@@ -150,9 +150,22 @@ def default_ctas_per_sm(tokens: int) -> int:
     return MANY_TOKENS_CTAS_PER_SM if tokens >= MANY_CTAS_MIN_TOKENS else DEFAULT_CTAS_PER_SM
 
 
-DEFAULT_TILES = TileChoice(expert_lookahead=True, oproj_rows=32, final_rows=32)
+EXPERT_F16_SUMS = True
+"""Whether the mono launch's expert loops sum each MXFP4 group in f16, at every S
+(TileChoice.expert_f16, weights in f16 order): 3.0 / 3.7 instructions a weight
+value for gate/up / down against 4.3 / 5.0. Mono launch, fp32 -> f16 sums, one
+H100 each time (benchmarks/mono_sweep.py --expert-f16 0 1, docs/PERF.md): S = 1
+76.7 -> 75.6 us and 76.8 -> 75.6, S = 2 101.1 -> 101.7 and 101.2 -> 101.4, S = 4
+142.5 -> 143.1, S = 8 228.0 -> 218.3, S = 16 381.1 -> 361.3. Below S = 8 each
+task's first read of its token's activations (for their scale) costs about what
+the shorter loop saves; one order for every S lets an engine turn its experts once,
+in place (weights.experts_in_f16_order_), and hold no second copy of them."""
+
+
+DEFAULT_TILES = TileChoice(expert_lookahead=True, oproj_rows=32, final_rows=32, expert_f16=EXPERT_F16_SUMS)
 """The staged path's tiles (32 expert rows, 2 router rows) with expert loops
-that load a step ahead and 32-row o_proj and FINAL tasks, measured on the H200
+summing in f16 (EXPERT_F16_SUMS) and loading a step ahead, and 32-row o_proj
+and FINAL tasks, measured on the H200
 (benchmarks/mono_sweep.py, docs/PERF.md): the lookahead took S = 1 from 125.9
 to 122.2 and from 113.9 to 112.8 us, S = 8 from 249.4 to 246.9 and from 248.4
 to 246.1 (two machines; the staged path's S = 8 lost 11 us with it, so the
@@ -188,25 +201,12 @@ defaults, docs/PERF.md): 72.7 (8 KB) -> 71.1 (16) and 72.4 (32, which spills
 gained nothing: 72.7 both."""
 
 
-F16_SUMS_MIN_TOKENS = 8
-"""From this S on the mono launch's expert loops sum each MXFP4 group in f16
-(TileChoice.expert_f16, weights in f16 order): 3.0 / 3.7 instructions a weight
-value for gate/up / down against 4.3 / 5.0. Mono launch, fp32 -> f16 sums, one
-H100 (benchmarks/mono_sweep.py --expert-f16 0 1, docs/PERF.md): S = 1 76.7 ->
-75.6 us, S = 2 101.1 -> 101.7, S = 4 142.5 -> 143.1, S = 8 228.0 -> 218.3,
-S = 16 381.1 -> 361.3. Below S = 8 each task's first read of its token's
-activations (for their scale) costs what the shorter loop saves."""
-
-
 def default_tiles(tokens: int) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows
-    and SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step; from F16_SUMS_MIN_TOKENS
-    on the expert loops' sums in f16."""
+    and SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step."""
     if tokens == 1:
         return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
                                    shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB)
-    if tokens >= F16_SUMS_MIN_TOKENS:
-        return dataclasses.replace(DEFAULT_TILES, expert_f16=True)
     return DEFAULT_TILES
 
 

@@ -122,18 +122,42 @@ def f16_order(packed: torch.Tensor) -> torch.Tensor:
     e2m1_f16x2): sign from bit 3 to bit 0, exponent and mantissa bits from 2..0
     to 3..1. The elements and scales keep their places. An int8 tensor, so a
     launcher told to expect this order can tell it from the checkpoint's bytes."""
-    if packed.dtype != torch.uint8 or packed.shape[-1] * 2 % MXFP4_GROUP:
-        raise K3InputError(f"f16_order: expected uint8 [..., R, C/2] with C a multiple of {MXFP4_GROUP}, "
-                           f"got {packed.dtype} {list(packed.shape)}")
+    _check_checkpoint_bytes("f16_order", packed)
     flat = packed.contiguous().view(-1)
     turned = torch.empty_like(flat)
     for source, target in zip(flat.split(_F16_CHUNK_BYTES), turned.split(_F16_CHUNK_BYTES)):
-        torch.bitwise_or((source & _NIBBLE_LOW_BITS) << 1, (source & _NIBBLE_SIGNS) >> _SIGN_TO_BIT0, out=target)
+        _turn_nibbles(source, target)
     return turned.view(torch.int8).view(packed.shape)
 
 
+def f16_order_(packed: torch.Tensor) -> torch.Tensor:
+    """f16_order in place, for an engine that loads its experts once: the same
+    storage turned chunk by chunk (no copy of the experts), returned as its int8
+    view. ``packed`` (uint8, contiguous) must not be read as the checkpoint's
+    bytes afterwards."""
+    _check_checkpoint_bytes("f16_order_", packed)
+    if not packed.is_contiguous():
+        raise K3InputError(f"f16_order_: expected a contiguous tensor, got strides {list(packed.stride())}")
+    for chunk in packed.view(-1).split(_F16_CHUNK_BYTES):
+        _turn_nibbles(chunk, chunk)
+    return packed.view(torch.int8)
+
+
+def _check_checkpoint_bytes(name: str, packed) -> None:
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.shape[-1] * 2 % MXFP4_GROUP:
+        got = f"{packed.dtype} {list(packed.shape)}" if isinstance(packed, torch.Tensor) else type(packed).__name__
+        raise K3InputError(f"{name}: expected uint8 [..., R, C/2] with C a multiple of {MXFP4_GROUP}, got {got}")
+
+
+def _turn_nibbles(source: torch.Tensor, target: torch.Tensor) -> None:
+    """target = source's bytes with each nibble's sign moved to bit 0 (target may be source)."""
+    torch.bitwise_or((source & _NIBBLE_LOW_BITS) << 1, (source & _NIBBLE_SIGNS) >> _SIGN_TO_BIT0, out=target)
+
+
 class ExpertOrderCache:
-    """``order`` (mma_order or f16_order) of each distinct packed tensor, made once and shared.
+    """``order`` (mma_order or f16_order) of each distinct packed tensor, made once and shared;
+    a tensor already of the order's ``dtype`` (turned by its owner, f16_order_ at load time)
+    is taken as it is.
 
     The ranks of one runner and its staged layer often hold the same tensors
     (the benchmarks' loopback ranks all share rank 0's shard); converting each
@@ -142,11 +166,13 @@ class ExpertOrderCache:
     alive, so its address cannot be reused by another tensor while cached. The
     sources are weights: written in place afterwards, they need a new cache."""
 
-    def __init__(self, order):
-        self.order = order
+    def __init__(self, order, dtype: torch.dtype):
+        self.order, self.dtype = order, dtype
         self._made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, packed: torch.Tensor) -> torch.Tensor:
+        if packed.dtype == self.dtype:
+            return packed
         key = (packed.device, packed.data_ptr(), packed.dtype, tuple(packed.shape), packed.stride())
         if key not in self._made:
             self._made[key] = (packed, self.order(packed))
@@ -170,5 +196,5 @@ def expert_order(tiles) -> tuple:
 
 def expert_order_cache(tiles) -> ExpertOrderCache | None:
     """A cache of the conversion expert_order names, or None for the checkpoint's bytes."""
-    convert, _, _ = expert_order(tiles)
-    return ExpertOrderCache(convert) if convert is not None else None
+    convert, dtype, _ = expert_order(tiles)
+    return ExpertOrderCache(convert, dtype) if convert is not None else None

@@ -20,6 +20,10 @@ vectors every rank needs whole (norm weights, the router's correction bias):
     w2_scale        [E, L, I/32] u8     [E, L, I/(32T)]         (whole groups: I/T % 32 == 0)
     shared_gate/up  [SI, H]  bf16       [SI/T, H]               intermediate rows
     shared_down     [H, SI]  bf16       [H, SI/T]               intermediate columns
+
+The packed experts may also be int8, in f16 order (k3mono.mxfp4.f16_order, what
+the expert loops summing in f16 read): ``experts_in_f16_order_`` turns a shard's
+three in place at load time, so an engine holds one copy of its experts.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from .config import MXFP4_GROUP, K3Config
 from .errors import K3InputError, expect_tensor
+from .mxfp4 import f16_order_
 
 BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
 
@@ -94,10 +99,30 @@ def shard_shapes(cfg: K3Config, tp: int) -> dict[str, tuple[tuple[int, ...], tor
     }
 
 
+PACKED_EXPERTS = ("w1_packed", "w3_packed", "w2_packed")
+F16_ORDER_DTYPE = torch.int8  # k3mono.mxfp4.f16_order's
+
+
 def check_weights(weights: LayerWeights, cfg: K3Config) -> None:
-    """Every field has its shard's shape and dtype (a clear error otherwise)."""
+    """Every field has its shard's shape and dtype (a clear error otherwise); the
+    packed experts either the checkpoint's uint8 or all three in f16 order (int8)."""
+    in_f16_order = [getattr(weights, name).dtype == F16_ORDER_DTYPE for name in PACKED_EXPERTS
+                    if isinstance(getattr(weights, name), torch.Tensor)]
+    if any(in_f16_order) and not all(in_f16_order):
+        orders = {name: str(getattr(weights, name).dtype) for name in PACKED_EXPERTS}
+        raise K3InputError(f"weights: the packed experts must share one order (uint8, or int8 in f16 order), "
+                           f"got {orders}")
     for name, (shape, dtype) in shard_shapes(cfg, weights.tp).items():
+        if name in PACKED_EXPERTS and any(in_f16_order):
+            dtype = F16_ORDER_DTYPE
         expect_tensor(f"weights.{name}", getattr(weights, name), shape, dtype)
+
+
+def experts_in_f16_order_(weights: LayerWeights) -> LayerWeights:
+    """``weights`` with its packed experts turned to f16 order in place
+    (k3mono.mxfp4.f16_order_: no copy): the returned shard holds their int8 views,
+    and ``weights`` must not be used afterwards."""
+    return dataclasses.replace(weights, **{name: f16_order_(getattr(weights, name)) for name in PACKED_EXPERTS})
 
 
 def check_shard(name: str, weights, cfg: K3Config, tp: int, rank: int) -> None:

@@ -29,7 +29,7 @@ from k3mono.planner import (COL, MONO_WARPS, SM_REGISTERS, M1bShape, MonoOptions
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
-from k3mono.weights import shard_all
+from k3mono.weights import experts_in_f16_order_, shard_all
 
 BUDGET_FACTOR = 2.0
 NAMES = ("moe_out", "prefix", "route_ids", "route_weights")
@@ -383,7 +383,8 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
 
 
 def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_only():
-    """The measured defaults (mono.default_options): S = 1 takes SINGLE_TOKEN_DOWN_ROWS
+    """The measured defaults (mono.default_options): the expert loops summing in f16
+    at every S; S = 1 takes SINGLE_TOKEN_DOWN_ROWS
     down rows, SINGLE_TOKEN_SHARED_STEP_KB a shared step and SHARED_GU after
     EXPERT_GU, every other S DEFAULT_TILES and the planner's order; every S the
     FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the expert weights evict_first;
@@ -393,8 +394,8 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
                                     shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB) != DEFAULT_TILES
-    assert keys[2].tiles == keys[4].tiles == DEFAULT_TILES
-    assert keys[8].tiles == keys[16].tiles == replace(DEFAULT_TILES, expert_f16=True)  # F16_SUMS_MIN_TOKENS
+    assert keys[2].tiles == keys[4].tiles == keys[8].tiles == keys[16].tiles == DEFAULT_TILES
+    assert all(k.tiles.expert_f16 for k in keys.values())  # EXPERT_F16_SUMS: one expert order at every S
     assert [k.options.shared_late for k in keys.values()] == [True, False, False, False, False]
     assert [k.options.expert_evict_first for k in keys.values()] == [s <= EVICT_FIRST_MAX_TOKENS for s in keys]
     assert all(k.options.prefetch_final for k in keys.values())
@@ -548,6 +549,28 @@ def test_experts_in_other_orders_stay_within_budget_and_match_staged(order, tp, 
         assert runner.expert_words.conversions == 3 * tp
         for rank in range(tp):
             assert staged.expert_words[rank]["w2"] is runner.rank_states[rank]._args["w2"]
+
+
+def test_experts_turned_in_place_run_as_the_checkpoints_bytes_do():
+    """An engine turns its experts to f16 order once, in place
+    (weights.experts_in_f16_order_): the runner at the defaults takes them as
+    they are (no second copy) and gives the bits it gives from the checkpoint's
+    bytes; a shard with the orders mixed, or a build summing in fp32, is refused
+    by name."""
+    cfg, tokens, layer = preset("tiny"), 1, 13
+    inputs = random_inputs(cfg, tokens, layer, seed=59)
+    checkpoint = MonoRunner(cfg, shard_all(layer_weights(), cfg, 1), tokens, layer)
+    expected = checkpoint(**inputs)
+    assert checkpoint.expert_words.conversions == 3
+    turned = [experts_in_f16_order_(w) for w in shard_all(random_layer(cfg, 0), cfg, 1)]  # layer_weights' values
+    runner = MonoRunner(cfg, turned, tokens, layer)
+    assert same_bits(runner(**inputs), expected) and runner.expert_words.conversions == 0
+    mixed = replace(turned[0], w2_packed=shard_all(layer_weights(), cfg, 1)[0].w2_packed)
+    with pytest.raises(K3InputError, match="^weights: the packed experts must share one order"):
+        MonoRunner(cfg, [mixed], tokens, layer)
+    fp32_sums = MonoRunner(cfg, turned, tokens, layer, options=MonoOptions(tiles=TileChoice()))
+    with pytest.raises(K3InputError, match=r"^w13\[0\]: expected torch.uint8"):
+        fp32_sums(**inputs)
 
 
 def test_the_expert_weights_must_be_in_the_builds_order(mono_launches):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3mono.errors import K3InputError
-from k3mono.mxfp4 import ExpertOrderCache, dequantize, e2m1_table, f16_order, mma_order, quantize
+from k3mono.mxfp4 import ExpertOrderCache, dequantize, e2m1_table, f16_order, f16_order_, mma_order, quantize
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -121,7 +121,7 @@ def test_mma_order_rejects_other_layouts():
 def test_mma_order_cache_converts_each_distinct_tensor_once():
     """Ranks sharing a shard share its words; another view of the same storage is another tensor."""
     packed = torch.randint(0, 256, (4, 3, 32), dtype=torch.uint8)
-    cache = ExpertOrderCache(mma_order)
+    cache = ExpertOrderCache(mma_order, torch.int32)
     words = cache(packed)
     assert torch.equal(words, mma_order(packed))
     assert cache(packed) is words and cache.conversions == 1
@@ -139,5 +139,22 @@ def test_f16_order_turns_every_nibble_and_keeps_its_place():
         nibble = (packed.int() >> half) & 0xF
         want = ((nibble & 0x7) << 1) | (nibble >> 3)
         assert torch.equal((turned.view(torch.uint8).int() >> half) & 0xF, want)
-    cache = ExpertOrderCache(f16_order)
+    cache = ExpertOrderCache(f16_order, torch.int8)
     assert cache(packed) is cache(packed) and cache.conversions == 1
+
+
+def test_f16_order_in_place_turns_the_same_storage_and_the_cache_takes_it_as_it_is():
+    """f16_order_ writes f16_order's bytes over the checkpoint's (no copy of the
+    experts) and returns their int8 view; a tensor already in the order's dtype
+    passes the cache unconverted; what it cannot turn in place is named."""
+    packed = torch.randint(0, 256, (3, 4, 32), dtype=torch.uint8)
+    want = f16_order(packed)
+    storage = packed.data_ptr()
+    turned = f16_order_(packed)
+    assert turned.dtype == torch.int8 and turned.data_ptr() == storage and torch.equal(turned, want)
+    cache = ExpertOrderCache(f16_order, torch.int8)
+    assert cache(turned) is turned and cache.conversions == 0
+    with pytest.raises(K3InputError, match="^f16_order_: expected uint8"):
+        f16_order_(turned)
+    with pytest.raises(K3InputError, match="^f16_order_: expected a contiguous tensor"):
+        f16_order_(torch.zeros(4, 64, dtype=torch.uint8)[:, :32])
