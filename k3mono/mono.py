@@ -250,9 +250,9 @@ def default_options(tokens: int, **choices) -> MonoOptions:
     """MonoOptions at the measured defaults for S = ``tokens`` (default_ctas_per_sm,
     default_tiles, DEFAULT_POLL_SLEEP_NS, DEFAULT_PREFETCH_FINAL, SINGLE_TOKEN_SHARED_LATE
     at S = 1, expert_evict_first up to EVICT_FIRST_MAX_TOKENS), any field overridden by ``choices``."""
-    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens), tiles=default_tiles(tokens), poll_sleep_ns=DEFAULT_POLL_SLEEP_NS,
-                  prefetch_final=DEFAULT_PREFETCH_FINAL, shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1,
-                  expert_evict_first=tokens <= EVICT_FIRST_MAX_TOKENS)
+    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens), tiles=default_tiles(tokens),
+                  poll_sleep_ns=DEFAULT_POLL_SLEEP_NS, prefetch_final=DEFAULT_PREFETCH_FINAL,
+                  shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1, expert_evict_first=tokens <= EVICT_FIRST_MAX_TOKENS)
     return MonoOptions(**{**fields, **choices})
 
 

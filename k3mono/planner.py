@@ -1344,6 +1344,7 @@ REGISTER_ALLOCATION_UNIT = 8
 """ptxas gives a thread registers in multiples of 8."""
 
 COMPILER_MAX_REGISTERS = 255
+"""The most registers ptxas gives a thread, capped or not."""
 
 
 def resident_register_cap(ctas_per_sm: int, warps: int = MONO_WARPS) -> int | None:

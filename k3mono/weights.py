@@ -109,7 +109,7 @@ def check_weights(weights: LayerWeights, cfg: K3Config) -> None:
     in_f16_order = [getattr(weights, name).dtype == F16_ORDER_DTYPE for name in PACKED_EXPERTS
                     if isinstance(getattr(weights, name), torch.Tensor)]
     if any(in_f16_order) and not all(in_f16_order):
-        orders = {name: str(getattr(weights, name).dtype) for name in PACKED_EXPERTS}
+        orders = {name: str(getattr(getattr(weights, name), "dtype", None)) for name in PACKED_EXPERTS}
         raise K3InputError(f"weights: the packed experts must share one order (uint8, or int8 in f16 order), "
                            f"got {orders}")
     for name, (shape, dtype) in shard_shapes(cfg, weights.tp).items():
