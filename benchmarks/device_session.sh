@@ -26,7 +26,7 @@
 # final_bulk: PREFETCH_FINAL tasks with the bulk prefetch; shared_late: SHARED_GU after EXPERT_GU;
 # tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case; expert_f16: the expert loops summing
 # in f16 timed (staged stages, mono off / on) and checked; ctas_f16: 3 and 4 CTAs a SM with f16 sums (mono);
-# lookahead_many: the expert lookahead at 3 CTAs a SM (S = 16);
+# lookahead_many: the expert lookahead at 3 CTAs a SM (S = 16); trace16: the S = 16 trace beside the staged stages;
 # expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
@@ -119,6 +119,9 @@ for s in $STEPS; do
         step mono_sweep_router 120 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --router-rows 8 4 2 ;;
     trace)  # every ticket's SM and times, per task kind (a trace build), S = 1 and 8
         step mono_trace 200 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
+    trace16)  # S = 16, where the staged path beats the mono launch: the trace, and the staged stages beside it
+        step mono_trace_s16 150 python3 benchmarks/mono_trace.py --tokens 16 --out "$RESULTS"
+        step bench_s16 150 python3 -m k3mono bench --tp 8 --tokens 16 --out "$RESULTS" ;;
     trace_m1b)  # S = 1: the launch with M1b folded in (prefetch 0 and 1) beside the plain launch's trace
         step mono_trace_plain 100 python3 benchmarks/mono_trace.py --tokens 1 --out "$RESULTS"
         step mono_trace_m1b 150 python3 benchmarks/mono_trace.py --tokens 1 --m1b --prefetch 0 1 --out "$RESULTS" ;;

@@ -487,9 +487,11 @@ def test_other_task_shapes_change_no_bits(tiles, plain_s3):
     (S = 3 at T = 1: 4x or 2x the expert tasks, a quarter or twice the router tasks, 4x the latent or the
     shared ones); so do
     expert loops that load a step ahead. (The defaults' o_proj and FINAL rows are
-    kept: they may change bits; test_wider_hidden_tasks_stay_within_budget_... covers them.)"""
+    kept: they may change bits; test_wider_hidden_tasks_stay_within_budget_... covers them.
+    So is their expert order: f16 sums round otherwise than fp32 ones.)"""
     cfg, shards, inputs, plain = plain_s3
-    tiles = replace(tiles, oproj_rows=DEFAULT_TILES.oproj_rows, final_rows=DEFAULT_TILES.final_rows)
+    tiles = replace(tiles, oproj_rows=DEFAULT_TILES.oproj_rows, final_rows=DEFAULT_TILES.final_rows,
+                    expert_f16=DEFAULT_TILES.expert_f16)
     tokens, layer = 3, 13
     narrow = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
     geometry = narrow.compiled.table.geometry
@@ -555,7 +557,7 @@ def test_experts_turned_in_place_run_as_the_checkpoints_bytes_do():
     """An engine turns its experts to f16 order once, in place
     (weights.experts_in_f16_order_): the runner at the defaults takes them as
     they are (no second copy) and gives the bits it gives from the checkpoint's
-    bytes; a shard with the orders mixed, or a build summing in fp32, is refused
+    bytes, as does the staged path; a shard with the orders mixed, or a build summing in fp32, is refused
     by name."""
     cfg, tokens, layer = preset("tiny"), 1, 13
     inputs = random_inputs(cfg, tokens, layer, seed=59)
@@ -565,6 +567,10 @@ def test_experts_turned_in_place_run_as_the_checkpoints_bytes_do():
     turned = [experts_in_f16_order_(w) for w in shard_all(random_layer(cfg, 0), cfg, 1)]  # layer_weights' values
     runner = MonoRunner(cfg, turned, tokens, layer)
     assert same_bits(runner(**inputs), expected) and runner.expert_words.conversions == 0
+    # tiles that do not say f16: the staged launchers read the order from the dtype
+    staged = StagedLayer(cfg, turned, tokens, layer, tiles=replace(runner.key.tiles, expert_f16=False))
+    staged(**inputs)
+    assert same_bits(staged.result(0), expected)
     mixed = replace(turned[0], w2_packed=shard_all(layer_weights(), cfg, 1)[0].w2_packed)
     with pytest.raises(K3InputError, match="^weights: the packed experts must share one order"):
         MonoRunner(cfg, [mixed], tokens, layer)
