@@ -970,7 +970,9 @@ def distributed_mono_rank(cfg: K3Config, shard: LayerWeights, tokens: int, layer
     are system-scope: peers write over NVLink or from other processes. The
     other layers of the same tokens and options take the same buffers
     (``for_layer``, no collective): every rank then launches the layers in the
-    same order."""
+    same order. A shard whose experts were turned in place
+    (weights.experts_in_f16_order_) is read as it is; one of the checkpoint's
+    bytes is turned into a copy held by the rank."""
     import torch.distributed as dist
 
     from .peers import symmetric_buffers
