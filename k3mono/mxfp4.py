@@ -114,6 +114,8 @@ _NIBBLE_LOW_BITS = 0x77  # each nibble's exponent and mantissa bits (2..0)
 _NIBBLE_SIGNS = 0x88  # each nibble's sign (bit 3)
 _SIGN_TO_BIT0 = 3
 _F16_CHUNK_BYTES = 1 << 26  # bytes turned at once (a shard's experts hold gigabytes: temporaries stay small)
+F16_ORDER_DTYPE = torch.int8
+"""The dtype of bytes in f16 order: a launcher tells them from the checkpoint's uint8 by it."""
 
 
 def f16_order(packed: torch.Tensor) -> torch.Tensor:
@@ -127,7 +129,7 @@ def f16_order(packed: torch.Tensor) -> torch.Tensor:
     turned = torch.empty_like(flat)
     for source, target in zip(flat.split(_F16_CHUNK_BYTES), turned.split(_F16_CHUNK_BYTES)):
         _turn_nibbles(source, target)
-    return turned.view(torch.int8).view(packed.shape)
+    return turned.view(F16_ORDER_DTYPE).view(packed.shape)
 
 
 def f16_order_(packed: torch.Tensor) -> torch.Tensor:
@@ -140,7 +142,7 @@ def f16_order_(packed: torch.Tensor) -> torch.Tensor:
         raise K3InputError(f"f16_order_: expected a contiguous tensor, got strides {list(packed.stride())}")
     for chunk in packed.view(-1).split(_F16_CHUNK_BYTES):
         _turn_nibbles(chunk, chunk)
-    return packed.view(torch.int8)
+    return packed.view(F16_ORDER_DTYPE)
 
 
 def _check_checkpoint_bytes(name: str, packed) -> None:
@@ -190,7 +192,7 @@ def expert_order(tiles) -> tuple:
     if tiles.expert_mma:
         return mma_order, torch.int32, "mma order (k3mono.mxfp4.mma_order), as the build's tiles.expert_mma says"
     if tiles.expert_f16:
-        return f16_order, torch.int8, "f16 order (k3mono.mxfp4.f16_order), as the build's tiles.expert_f16 says"
+        return f16_order, F16_ORDER_DTYPE, "f16 order (k3mono.mxfp4.f16_order), as the build's tiles.expert_f16 says"
     return None, torch.uint8, "the checkpoint's bytes, as the build's tiles say"
 
 

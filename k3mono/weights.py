@@ -35,7 +35,7 @@ import torch
 
 from .config import MXFP4_GROUP, K3Config
 from .errors import K3InputError, expect_tensor
-from .mxfp4 import f16_order_
+from .mxfp4 import F16_ORDER_DTYPE, f16_order_
 
 BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
 
@@ -100,7 +100,6 @@ def shard_shapes(cfg: K3Config, tp: int) -> dict[str, tuple[tuple[int, ...], tor
 
 
 PACKED_EXPERTS = ("w1_packed", "w3_packed", "w2_packed")
-F16_ORDER_DTYPE = torch.int8  # k3mono.mxfp4.f16_order's
 
 
 def check_weights(weights: LayerWeights, cfg: K3Config) -> None:

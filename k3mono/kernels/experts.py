@@ -56,6 +56,7 @@ import triton.language as tl
 
 from ..config import MXFP4_GROUP
 from ..errors import K3InputError, expect_tensor
+from ..mxfp4 import F16_ORDER_DTYPE
 from ..planner import expert_mma_tile
 from .common import UPCAST_DOT, as_f32, dot_acc, situ, to_bf16
 from .mxfp4 import (
@@ -532,7 +533,8 @@ def _expert_shapes(cfg, w_packed, w_scale, rows: int, cols: int, name: str, mma:
                                f"got {w_packed.dtype}")
         expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _MMA_VALUES_PER_WORD), torch.int32)
     else:  # int8: the bytes in f16 order (k3mono.mxfp4.f16_order), else the checkpoint's uint8
-        order = torch.int8 if isinstance(w_packed, torch.Tensor) and w_packed.dtype == torch.int8 else torch.uint8
+        in_f16_order = isinstance(w_packed, torch.Tensor) and w_packed.dtype == F16_ORDER_DTYPE
+        order = F16_ORDER_DTYPE if in_f16_order else torch.uint8
         expect_tensor(f"{name}_packed", w_packed, (E, rows, cols // _PACKING), order)
     expect_tensor(f"{name}_scale", w_scale, (E, rows, cols // MXFP4_GROUP), torch.uint8)
 
@@ -540,7 +542,7 @@ def _expert_shapes(cfg, w_packed, w_scale, rows: int, cols: int, name: str, mma:
 def _dequant_for(name: str, w_packed, dequant) -> int:
     """The placement a launch compiles: DEQUANT_F16 for int8 bytes in f16 order,
     else ``dequant`` (EXPERT_DEQUANT when None), which must then not be DEQUANT_F16."""
-    if w_packed.dtype == torch.int8:
+    if w_packed.dtype == F16_ORDER_DTYPE:
         if dequant not in (None, DEQUANT_F16):
             raise K3InputError(f"{name}: int8 bytes in f16 order need dequant DEQUANT_F16, got {dequant!r}")
         return DEQUANT_F16
