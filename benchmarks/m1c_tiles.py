@@ -5,10 +5,13 @@ the same splits (the online softmax's other step boundaries round otherwise:
 within MAX_REL_DIFF), so a tile that is fast and wrong cannot win.
 
     python benchmarks/m1c_tiles.py [--tokens 1 4 16] [--context 32768] [--kv fp8 bf16]
-        [--block-n 32 64] [--stages 2 3 4] [--warps 4 8] [--budget-s 240]
+        [--block-n 32 64] [--stages 2 3 4] [--warps 4 8] [--max-registers 0 168] [--splits 99 132]
+        [--budget-s 240]
 
 Splits: SPLITS_BY_TOKENS (about two and four programs an SM at S = 1, fewer
-splits as S grows, as bench_mla.fused_splits does).
+splits as S grows, as bench_mla.fused_splits does) unless --splits names them.
+--max-registers: ptxas's caps a thread to try (0: the compiler's choice); 168
+lets 3 programs of 4 warps share a SM (planner.resident_register_cap).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--max-registers", type=int, nargs="+", default=[0])
+    parser.add_argument("--splits", type=int, nargs="+", help="split counts for every S (default SPLITS_BY_TOKENS)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -55,17 +60,18 @@ def main() -> None:
     for kv, tokens in itertools.product(args.kv, args.tokens):
         sets = rotation(tokens, args.context, kv, device)
         cache_bytes = sets[0].cache_bytes
-        for splits in SPLITS_BY_TOKENS.get(tokens, (16,)):
+        for splits in args.splits or SPLITS_BY_TOKENS.get(tokens, (16,)):
             default_call, o_ref, lse_ref = attn_call(sets[0], splits)
             default_call()
             o_ref, lse_ref = o_ref.clone(), lse_ref.clone()
-            for block_n, stages, warps in itertools.product(args.block_n, args.stages, args.warps):
+            for block_n, stages, warps, cap in itertools.product(args.block_n, args.stages, args.warps,
+                                                                 args.max_registers):
                 if time.time() - started > args.budget_s:
                     print("budget spent: stopping", flush=True)
                     return
-                tile = dict(block_n=block_n, stages=stages, warps=warps)
+                tile = dict(block_n=block_n, stages=stages, warps=warps, max_registers=cap or None)
                 label = (f"{kv} ctx {args.context} S={tokens:>2} splits {splits:>3} block_n {block_n} stages {stages} "
-                         f"warps {warps}")
+                         f"warps {warps} regs {cap or 'any'}")
                 try:
                     calls = [attn_call(inputs, splits, tile) for inputs in sets]
                     first, o, lse = calls[0]

@@ -544,12 +544,18 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #   OPROJ         all tiles next: 22 MB at T = 8 stream at once; with M1B each
 #                 issues its weights, then waits for the whole core (CORE: it
 #                 reads every column of the rank's heads), otherwise no wait
-#   REDUCE1       AR1 per column tile: a tile reduces as soon as its o_proj
-#                 rows arrived from every rank, not after the whole o_proj;
-#                 then, per token, the seam candidates' partial sums there
-#                 (SEAM_SCORE_COLS: the seam's score step)
-#   SEAM_MIX      per (token, chunk): the scores from every tile's partials,
-#                 the chunk's h and its partial sum of squares
+#   REDUCE1       AR1 per (column tile, token): a tile reduces as soon as its
+#                 o_proj rows arrived from every rank, not after the whole
+#                 o_proj; then the token's seam candidates' partial sums there
+#                 (SEAM_SCORE_COLS: the seam's score step). A task a token: one
+#                 memory round trip each, where a tile's task looping over S
+#                 tokens paid S in a row (its prefix store, which may alias the
+#                 next token's block rows, orders them): the S = 16 trace on an
+#                 H100 (b0dd80b, docs/PERF.md) had such tasks running 18 us
+#                 each, the seam waiting for them until 32.7 us, o_proj done
+#                 at 13.2
+#   SEAM_MIX      per (token, chunk): the scores from every tile's partials of
+#                 its token, the chunk's h and its partial sum of squares
 #   SEAM_NORM     per (token, chunk): x; these steps spread the seam (on
 #                 the critical path, it needs all of H twice) over CTAs
 #   ROUTER        critical path (logits -> route -> experts): first
@@ -577,7 +583,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 token's chain is the critical path either way)
 #   FINAL         latent up + shared down; its weights are issued before its
 #                 waits, so the first CTAs there stream while AR2 settles
-#   REDUCE3       AR3 per column tile, as REDUCE1
+#   REDUCE3       AR3 per (column tile, token), as REDUCE1
 #
 # Flags are counters, indexed at the CONSUMER's granularity (a consumer polls
 # one word per wait, at most MAX_WAITS waits a task). They are never cleared:
@@ -646,7 +652,7 @@ class Flag(enum.IntEnum):
     """Flag kinds; each has ``flag_slots`` words in a rank's flag array."""
 
     AR1 = 0  # [reduce1 tile]  o_proj partial rows arrived      (peer)
-    P_READY = 1  # [1]         prefix columns reduced
+    P_READY = 1  # [token]     prefix columns reduced
     X_READY = 2  # [1]         x written, every (token, chunk)
     LOGITS = 3  # [1]          router logits columns arrived     (peer)
     Z = 4  # [1]               latent z columns arrived          (peer)
@@ -1007,8 +1013,8 @@ _WRITES = {
     TaskKind.M1B: lambda tb, t, r: [Write("core", False, _all_rows(*t.span))],
     TaskKind.NOP: lambda tb, t, r: [],
     TaskKind.OPROJ: lambda tb, t, r: [Write("ar1", True, (r, slice(None), slice(*t.span)))],
-    TaskKind.REDUCE1: lambda tb, t, r: [Write("prefix", False, _all_rows(*t.span))]
-    + [Write("seam_part", False, (token, t.tile)) for token in range(tb.tokens)],
+    TaskKind.REDUCE1: lambda tb, t, r: [Write("prefix", False, (t.token, slice(*t.span))),
+                                        Write("seam_part", False, (t.token, t.tile))],
     TaskKind.SEAM_MIX: lambda tb, t, r: [
         Write("seam_h", False, (t.token, slice(*t.span))), Write("seam_hsq", False, (t.token, t.tile))
     ],
@@ -1027,7 +1033,7 @@ _WRITES = {
     TaskKind.PREFETCH_FINAL: lambda tb, t, r: [],
     TaskKind.LATENT_NORM: lambda tb, t, r: [Write("latent", False, (t.token,))],
     TaskKind.FINAL: lambda tb, t, r: [Write("ar3", True, (r, slice(None), slice(*t.span)))],
-    TaskKind.REDUCE3: lambda tb, t, r: [Write("out", False, _all_rows(*t.span))],
+    TaskKind.REDUCE3: lambda tb, t, r: [Write("out", False, (t.token, slice(*t.span)))],
 }
 
 
@@ -1156,15 +1162,17 @@ class _Planner:
                                f"a seam score chunk ({self.g.score_cols})")
         for tile, lo, hi in self.reduce1_tiles:
             producers = math.ceil((hi - lo) / self.g.oproj.rows)
-            self.add(TaskKind.REDUCE1, tile=tile, span=(lo, hi),
-                     streams=self._vector_slices_once(0, ["ares_norm", "ares_proj"], lo, hi),
-                     waits=[_WaitSpec(Flag.AR1, tile, self.tp * producers)], raises=[(Flag.P_READY, 0)])
+            for token in range(self.S):
+                self.add(TaskKind.REDUCE1, tile=tile, span=(lo, hi), token=token,
+                         streams=self._vector_slices_once(token, ["ares_norm", "ares_proj"], lo, hi),
+                         waits=[_WaitSpec(Flag.AR1, tile, self.tp * producers)], raises=[(Flag.P_READY, token)])
 
     def seam_mix(self):
         for token in range(self.S):
             for chunk, lo, hi in self.seam_chunks:
                 self.add(TaskKind.SEAM_MIX, tile=chunk, span=(lo, hi), token=token,
-                         waits=[_WaitSpec(Flag.P_READY, 0, len(self.reduce1_tiles))], raises=[(Flag.MIXED, token)])
+                         waits=[_WaitSpec(Flag.P_READY, token, len(self.reduce1_tiles))],
+                         raises=[(Flag.MIXED, token)])
 
     def seam_norm(self):
         for token in range(self.S):
@@ -1249,8 +1257,9 @@ class _Planner:
     def reduce3(self):
         for tile, lo, hi in self.reduce3_tiles:
             producers = math.ceil((hi - lo) / self.g.final.rows)
-            self.add(TaskKind.REDUCE3, tile=tile, span=(lo, hi),
-                     waits=[_WaitSpec(Flag.AR3, tile, self.tp * producers)])
+            for token in range(self.S):
+                self.add(TaskKind.REDUCE3, tile=tile, span=(lo, hi), token=token,
+                         waits=[_WaitSpec(Flag.AR3, tile, self.tp * producers)])
 
     def _route_shared_and_gate_up(self) -> tuple:
         """SHARED_GU, the route's kinds, EXPERT_GU; or the route first (MonoOptions.route_early);
@@ -1273,7 +1282,7 @@ class _Planner:
         per_token = self.S
         slots = {
             Flag.AR1: len(self.reduce1_tiles),
-            Flag.P_READY: 1,
+            Flag.P_READY: per_token,
             Flag.X_READY: 1,
             Flag.LOGITS: 1,
             Flag.Z: 1,

@@ -770,9 +770,9 @@ def test_oproj_and_final_rows_set_their_tasks_over_the_same_step_bytes(tokens, b
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_seam_and_route_spread_each_token_over_ctas(name, chunks, parts, tokens):
     """The seam's mix and norm are a task per (token, chunk of H), after the
-    REDUCE1 tiles that score it; the route's first step a task per (token, part of
-    the experts); each next step waits for all of its own token's tasks and no
-    other's (the small presets too have several)."""
+    REDUCE1 tasks that score its token (a task per (tile, token)); the route's
+    first step a task per (token, part of the experts); each next step waits for
+    all of its own token's tasks and no other's (the small presets too have several)."""
     table = table_for(name, 1, tokens)
     by_kind = {}
     for task in table.tasks:
@@ -783,13 +783,13 @@ def test_seam_and_route_spread_each_token_over_ctas(name, chunks, parts, tokens)
             (lo, min(lo + table.geometry.seam_cols, table.cfg.hidden_size))
             for lo in range(0, table.cfg.hidden_size, table.geometry.seam_cols)}
     reduce1 = by_kind[TaskKind.REDUCE1]
-    assert {t.span for t in reduce1} == {
-        (lo, min(lo + table.geometry.score_cols, table.cfg.hidden_size))
-        for lo in range(0, table.cfg.hidden_size, table.geometry.score_cols)}
+    tiles = {(lo, min(lo + table.geometry.score_cols, table.cfg.hidden_size))
+             for lo in range(0, table.cfg.hidden_size, table.geometry.score_cols)}
+    assert sorted((t.span, t.token) for t in reduce1) == sorted((span, s) for span in tiles for s in range(tokens))
     for task in by_kind[TaskKind.SEAM_MIX]:
         (wait,) = task.waits
-        assert (wait.flag, wait.count) == (Flag.P_READY, len(reduce1))
-        assert set(wait.sources) == {t.ticket for t in reduce1}
+        assert (wait.flag, wait.index, wait.count) == (Flag.P_READY, task.token, len(tiles))
+        assert set(wait.sources) == {t.ticket for t in reduce1 if t.token == task.token}
     assert len(by_kind[TaskKind.ROUTE_PART]) == tokens * parts and len(by_kind[TaskKind.ROUTE]) == tokens
     for step, flag, producers in ((TaskKind.SEAM_NORM, Flag.MIXED, chunks), (TaskKind.ROUTE, Flag.RANKED, parts)):
         for task in by_kind[step]:

@@ -366,6 +366,11 @@ def _mla_attn_kernel(
                   D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST)
 
 
+def register_cap(max_registers: int | None) -> dict:
+    """The maxnreg launch option where a cap is set (compiled builds only: the interpreter takes none)."""
+    return {} if max_registers is None or common.INTERPRET else {"maxnreg": max_registers}
+
+
 def shape_text(t) -> str:
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -438,10 +443,11 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
 
 
 def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_scale=1.0, block_h, block_n,
-                    stages, warps) -> None:
+                    stages, warps, max_registers=None) -> None:
     """M1c into o [splits, S, heads, DL] fp32 and lse [splits, S, heads] fp32 (their shapes
     give splits and DL). q [S, heads, DQK] bf16; kv [pages, page_size, DQK] bf16 or fp8
-    e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32."""
+    e4m3 (kv_scale); qsl [B + 1], seq_lens [B], pages [num_slots], indptr [B + 1] int32.
+    ``max_registers``: ptxas's cap a thread (Triton's maxnreg; None: the compiler's choice)."""
     check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale)
     tokens, heads, dqk = q.shape
     splits, latent = o.shape[0], o.shape[3]
@@ -453,5 +459,5 @@ def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_sc
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
         D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
-        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps,
+        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps, **register_cap(max_registers),
     )

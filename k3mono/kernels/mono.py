@@ -360,6 +360,7 @@ def expert_down_push_task(
 @triton.jit
 def reduce1_task(
     tile,
+    token,
     start,
     stop,
     ar1_ptr,  # fp32 [T, S, H]: this epoch's AR1 region of the own buffer
@@ -380,20 +381,20 @@ def reduce1_task(
     CP: tl.constexpr,
     SCORE_COLS: tl.constexpr,  # stop - start but for the last tile: the tile is score chunk ``tile``
 ):
-    """AR1 and the prefix update over the tile's columns, then the seam's score
-    step there for every token, on the P just summed (no read back)."""
+    """AR1 and the prefix update over the tile's columns of one token, then the
+    seam's score step there, on the P just summed (no read back)."""
     cols = start + tl.arange(0, RC1)
     m = cols < stop
     q = seam_query(ares_nw_ptr, ares_qk_ptr, cols, m)
-    for s in range(S):
-        # the block rows before the prefix store (it might alias them): one round trip a token
-        rows = block_rows(s, cols, m, blocks_ptr, stride_bs, stride_bn, nb, CANDS)
-        p = reduce_prefix_chunk(ar1_ptr, S * H, H, prefix_ptr, stride_ps, s, cols, m, T)
-        score_partials(s, tile, as_f32(p), rows, q, nb, part_ptr, H, CANDS, CP, SCORE_COLS)
+    # the block rows before the prefix store (it might alias them)
+    rows = block_rows(token, cols, m, blocks_ptr, stride_bs, stride_bn, nb, CANDS)
+    p = reduce_prefix_chunk(ar1_ptr, S * H, H, prefix_ptr, stride_ps, token, cols, m, T)
+    score_partials(token, tile, as_f32(p), rows, q, nb, part_ptr, H, CANDS, CP, SCORE_COLS)
 
 
 @triton.jit
 def reduce3_task(
+    token,
     start,
     stop,
     ar3_ptr,  # fp32 [T, S, H]: this epoch's AR3 region of the own buffer
@@ -405,8 +406,7 @@ def reduce3_task(
     RC3: tl.constexpr,  # power of two >= stop - start
 ):
     cols = start + tl.arange(0, RC3)
-    for s in range(S):
-        final_reduce_chunk(ar3_ptr, S * H, H, out_ptr, stride_os, s, cols, cols < stop, T)
+    final_reduce_chunk(ar3_ptr, S * H, H, out_ptr, stride_os, token, cols, cols < stop, T)
 
 
 @triton.jit
@@ -727,7 +727,7 @@ def _mono_kernel(
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
                                 FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE1:
-                reduce1_task(tile, start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, blocks_ptr, stride_bs,
+                reduce1_task(tile, token, start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, blocks_ptr, stride_bs,
                              stride_bn, nb, ares_nw_ptr, ares_qk_ptr, sc_f32 + SPART_F, S, H, T, RC1, CANDS, CP,
                              SCORE_COLS)
                 raise_counter(flags + rword, SCOPE)
@@ -781,7 +781,7 @@ def _mono_kernel(
                                 pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L_R, SI_R, SP, F_ROWS, F_BK,
                                 USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
-                reduce3_task(start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
+                reduce3_task(token, start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
             elif kind == K_NOP:
                 # a timing variant's skipped task (planner.timing_variant): only its raise
                 if rword >= 0:
