@@ -4,7 +4,8 @@ task kind, for each token count; beside it the traced and the plain build's
 CUDA-graph time (what recording costs).
 
     python benchmarks/mono_trace.py [--tokens 1 8] [--poll-sleep-ns 0 200] [--double ROUTE ...] [--m1b]
-                                    [--m1b-rows 16 32 64] [--prefetch 0 1] [--out DIR]
+                                    [--m1b-rows 16 32 64] [--prefetch 0 1] [--bucket-us 15] [--out DIR]
+    python benchmarks/mono_trace.py --from-json results/mono-trace-S16-sleep0.json [--bucket-us 15]
 
 The traced launch runs after launches on the other rotated weight sets, as
 a replay would (its weights are not in L2), and is read eagerly. ``--double``
@@ -14,7 +15,10 @@ beside the first's tells what a task pays for being the first of its kind
 (code and data not yet cached on its SM). ``--m1b`` traces an MLA layer's
 launch with M1b folded in (bench_mla.fold_shape) instead of the plain one,
 at each ``--m1b-rows`` (TileChoice.m1b_rows); ``--prefetch`` the launch at
-each of MonoRunner's prefetch modes.
+each of MonoRunner's prefetch modes. ``--bucket-us`` adds the timeline
+(k3mono.trace.timeline: per bucket, the CTAs running and waiting in each
+kind); ``--from-json`` prints the summary and timeline of traces this
+script saved (``--out``), no GPU needed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from k3mono.mono import DEFAULT_PREFETCH, default_options, default_tiles
 from k3mono.planner import BACK_BLOCK_DV, TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
-from k3mono.trace import format_summary, summarize, ticket_rows
+from k3mono.trace import KindSpan, format_summary, format_timeline, summarize, ticket_rows, timeline
 
 WARM_LAUNCHES = 3
 
@@ -69,6 +73,16 @@ def doubled_text(ranks, kind: str) -> str:
             f"{same_sm} copies on the first's SM")
 
 
+def saved_text(path: str, bucket_us: float) -> str:
+    """The summary and timeline of a trace saved by ``--out``."""
+    with open(path) as f:
+        record = json.load(f)
+    spans = [KindSpan(**kind) for kind in record["kinds"]]
+    head = f"{path}: T={record['tp']} S={record['tokens']}, plain {record['plain_us']:.1f} us"
+    return "\n".join([head, format_summary(record["launch_span_us"], spans),
+                      format_timeline(timeline(record["tickets"], bucket_us))])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
@@ -79,7 +93,12 @@ def main() -> None:
     parser.add_argument("--m1b-rows", type=int, nargs="+", default=[BACK_BLOCK_DV], help="TileChoice.m1b_rows")
     parser.add_argument("--prefetch", type=int, nargs="+", default=[DEFAULT_PREFETCH], help="MonoRunner's prefetch")
     parser.add_argument("--out", default=None, help="directory for mono-trace-S<tokens>-sleep<ns>[-m1b].json")
+    parser.add_argument("--bucket-us", type=float, default=15.0, help="the timeline's bucket width (0: none)")
+    parser.add_argument("--from-json", nargs="+", default=[], help="saved traces to print instead of running")
     args = parser.parse_args()
+    if args.from_json:
+        print(*(saved_text(path, args.bucket_us or 15.0) for path in args.from_json), sep="\n\n")
+        return
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     m1b_rows = args.m1b_rows if args.m1b else [BACK_BLOCK_DV]
@@ -102,8 +121,9 @@ def main() -> None:
         plain = time_of(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch)
         folded = f" M1b folded, {rows} value rows a task," if args.m1b else ""
         what = f"T={args.tp} S={tokens}{folded} prefetch {prefetch} poll sleep {sleep_ns} ns"
+        shown = [format_timeline(timeline(tickets, args.bucket_us))] if args.bucket_us else []
         print(f"{what}: traced launch {traced * 1e6:.1f} us, plain {plain * 1e6:.1f} us (CUDA-graph replay)\n"
-              f"{format_summary(launch_us, spans)}", *doubled, sep="\n", flush=True)
+              f"{format_summary(launch_us, spans)}", *doubled, *shown, sep="\n", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, m1b=args.m1b, m1b_rows=rows,

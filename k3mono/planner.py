@@ -596,10 +596,11 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 # lags 2^31 raises behind.
 
 REDUCE_TILE_COLS = 128
-"""Columns of H a REDUCE1 / REDUCE3 task sums over the ranks (rounded up to a
-whole number of its producer's row tiles). The seed's reduce ran on 56 CTAs
-at H = 7168: 128 columns, enough tasks to spread the AR1 reduction over a
-third of an H200 while each task still reads T * S * 512 contiguous bytes."""
+"""Columns of H a REDUCE1 / REDUCE3 task sums over the ranks, for one token
+(rounded up to a whole number of its producer's row tiles). The seed's reduce
+ran on 56 CTAs at H = 7168: 128 columns, enough tasks to spread the AR1
+reduction over a third of an H200 at S = 1 (56 * S tasks) while each task
+still reads T * 512 contiguous bytes."""
 
 SEAM_SCORE_COLS = REDUCE_TILE_COLS
 """Columns of H a seam score chunk covers (StageGeometry.score_cols): a REDUCE1

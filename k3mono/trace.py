@@ -15,6 +15,10 @@ its last one finished (us after the launch's first ticket), and per task the
 mean time spent waiting and running. The waits of one kind are the latency
 of the chain before it; a kind whose last ``done`` sets the next kind's
 first ``ready`` is on the critical path.
+
+``timeline`` cuts the launch into buckets of time and says, per kind, how
+many CTAs ran its tasks and how many waited in them on average over each
+bucket: where the grid idles behind a chain, and what shares it when.
 """
 
 from __future__ import annotations
@@ -88,4 +92,51 @@ def format_summary(launch_us: float, spans: list[KindSpan]) -> str:
         lines.append(f"{s.kind:<13}{s.tasks:>6}{s.sms:>5}{s.first_taken_us:>12.1f}{s.first_ready_us:>12.1f}"
                      f"{s.last_done_us:>10.1f}{s.wait_us:>10.2f}{s.run_us:>9.2f}{s.run_max_us:>8.2f}")
     lines.append(f"launch span {launch_us:.1f} us (first ticket taken to last task done)")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start_us: float
+    stop_us: float
+    running: dict  # kind -> CTAs running its tasks, on average over the bucket
+    waiting: dict  # kind -> CTAs taken into its tasks, not yet ready, on average
+
+
+def _overlap(lo: float, hi: float, start: float, stop: float) -> float:
+    return max(0.0, min(hi, stop) - max(lo, start))
+
+
+def timeline(tickets: list[list], bucket_us: float) -> list[Bucket]:
+    """Buckets of ``bucket_us`` from the first ticket to the last done, over
+    ``ticket_rows``' rows: a ticket runs from ready to done, waits from taken to ready."""
+    if not bucket_us > 0:
+        raise ValueError(f"bucket_us: expected a positive width, got {bucket_us}")
+    end = max(done for *_, done in tickets)
+    buckets = []
+    start = 0.0
+    while start < end:
+        stop = start + bucket_us
+        running: dict = {}
+        waiting: dict = {}
+        for kind, _, taken, ready, done in tickets:
+            run, wait = _overlap(start, stop, ready, done), _overlap(start, stop, taken, ready)
+            if run:
+                running[kind] = running.get(kind, 0.0) + run / bucket_us
+            if wait:
+                waiting[kind] = waiting.get(kind, 0.0) + wait / bucket_us
+        buckets.append(Bucket(start, stop, running, waiting))
+        start = stop
+    return buckets
+
+
+def format_timeline(buckets: list[Bucket], kinds_shown: int = 4) -> str:
+    """A line a bucket: the kinds most CTAs ran, then the ones most waited in."""
+    def most(counts: dict) -> str:
+        top = sorted(counts.items(), key=lambda item: -item[1])[:kinds_shown]
+        return " ".join(f"{kind} {ctas:.1f}" for kind, ctas in top)
+
+    lines = ["CTAs on average a bucket (us after the first ticket): running | waiting"]
+    for b in buckets:
+        lines.append(f"{b.start_us:7.1f} - {b.stop_us:7.1f}  {most(b.running)} | {most(b.waiting)}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from k3mono.errors import K3InputError
 from k3mono.mono import MonoRunner
 from k3mono.planner import MonoOptions, TaskKind, plan
 from k3mono.synthetic import random_inputs, random_layer
-from k3mono.trace import summarize, ticket_rows
+from k3mono.trace import format_timeline, summarize, ticket_rows, timeline
 from k3mono.weights import shard_all
 
 ORIGIN_NS = 10_000_000
@@ -57,6 +57,21 @@ def test_ticket_rows_give_each_ticket_its_kind_sm_and_readings_after_the_first()
         assert (taken, ready, done) == pytest.approx((i, 1.1 * i, 1.1 * i + 0.01))
     with pytest.raises(ValueError, match="shape"):
         ticket_rows(synthetic_trace(table)[:-1], table)
+
+
+def test_timeline_counts_the_ctas_running_and_waiting_in_each_kind_per_bucket():
+    """A ticket runs from ready to done and waits from taken to ready; each bucket
+    holds those times over its width, per kind (the rows of ticket_rows)."""
+    tickets = [["OPROJ", 0, 0.0, 1.0, 3.0], ["ROUTE", 1, 0.0, 2.0, 4.0], ["ROUTE", 2, 3.0, 3.5, 4.5]]
+    first, second, third = timeline(tickets, 2.0)
+    assert (first.start_us, first.stop_us, third.stop_us) == (0.0, 2.0, 6.0)
+    assert first.running == {"OPROJ": 0.5} and first.waiting == {"OPROJ": 0.5, "ROUTE": 1.0}
+    assert second.running == {"OPROJ": 0.5, "ROUTE": 1.0 + 0.25} and second.waiting == {"ROUTE": 0.25}
+    assert third.running == {"ROUTE": 0.25} and third.waiting == {}
+    lines = format_timeline([first, second, third]).splitlines()
+    assert len(lines) == 4 and lines[2].split() == ["2.0", "-", "4.0", "ROUTE", "1.2", "OPROJ", "0.5", "|", "ROUTE", "0.2"]
+    with pytest.raises(ValueError, match="bucket_us"):
+        timeline(tickets, 0.0)
 
 
 def test_summarize_refuses_a_trace_of_another_table_or_with_unrecorded_tickets():
