@@ -79,8 +79,9 @@ def saved_text(path: str, bucket_us: float) -> str:
         record = json.load(f)
     spans = [KindSpan(**kind) for kind in record["kinds"]]
     head = f"{path}: T={record['tp']} S={record['tokens']}, plain {record['plain_us']:.1f} us"
-    return "\n".join([head, format_summary(record["launch_span_us"], spans),
-                      format_timeline(timeline(record["tickets"], bucket_us))])
+    shown = (format_timeline(timeline(record["tickets"], bucket_us)) if "tickets" in record
+             else "(saved without its tickets: no timeline)")
+    return "\n".join([head, format_summary(record["launch_span_us"], spans), shown])
 
 
 def main() -> None:
