@@ -73,8 +73,9 @@ faults() {  # one rank never launches: every other one must stop naming it
 nvidia-smi -L
 for s in $STEPS; do
     case $s in
-    check)
-        step gpu_check 300 python3 benchmarks/gpu_check.py --skip-staged --tokens $CHECK_TOKENS ;;
+    check)  # T = 1, then loopback T = 8, each with its own limit (together they passed 300 s at five S)
+        step gpu_check_t1 240 python3 benchmarks/gpu_check.py --skip-staged --tp 1 --tokens $CHECK_TOKENS
+        step gpu_check_t8 300 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens $CHECK_TOKENS ;;
     check_staged)  # the staged path alone (no grids, no co-occupying kernel)
         step gpu_check_staged 200 python3 benchmarks/gpu_check.py --skip-mono --tokens $CHECK_TOKENS --grids --occupy-sms 0 ;;
     check_lookahead)  # the mono launch with expert loops that load a step ahead
