@@ -69,7 +69,8 @@ def test_timeline_counts_the_ctas_running_and_waiting_in_each_kind_per_bucket():
     assert second.running == {"OPROJ": 0.5, "ROUTE": 1.0 + 0.25} and second.waiting == {"ROUTE": 0.25}
     assert third.running == {"ROUTE": 0.25} and third.waiting == {}
     lines = format_timeline([first, second, third]).splitlines()
-    assert len(lines) == 4 and lines[2].split() == ["2.0", "-", "4.0", "ROUTE", "1.2", "OPROJ", "0.5", "|", "ROUTE", "0.2"]
+    assert len(lines) == 4
+    assert lines[2].split() == ["2.0", "-", "4.0", "ROUTE", "1.2", "OPROJ", "0.5", "|", "ROUTE", "0.2"]
     with pytest.raises(ValueError, match="bucket_us"):
         timeline(tickets, 0.0)
 

@@ -727,9 +727,9 @@ def _mono_kernel(
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
                                 FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE1:
-                reduce1_task(tile, token, start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, blocks_ptr, stride_bs,
-                             stride_bn, nb, ares_nw_ptr, ares_qk_ptr, sc_f32 + SPART_F, S, H, T, RC1, CANDS, CP,
-                             SCORE_COLS)
+                reduce1_task(tile, token, start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, blocks_ptr,
+                             stride_bs, stride_bn, nb, ares_nw_ptr, ares_qk_ptr, sc_f32 + SPART_F, S, H, T, RC1, CANDS,
+                             CP, SCORE_COLS)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_SEAM_MIX:
                 seam_mix_task(token, tile, prefix_ptr, stride_ps, blocks_ptr, stride_bs, stride_bn, nb,
