@@ -231,16 +231,13 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, exp
 
 
 def chosen_tiles(args, tokens: int) -> TileChoice:
-    """mono.default_tiles(tokens) with the fields given on the command line; the
-    tensor-core experts asked for read mma order, so f16 sums go unless also asked."""
+    """mono.default_tiles(tokens) with the fields given on the command line."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TileChoice)
              if getattr(args, f.name, None) is not None}
     for flag in ("expert_lookahead", "expert_mma", "expert_f16"):
         if flag in given:
             given[flag] = bool(given[flag])
-    if given.get("expert_mma"):
-        given.setdefault("expert_f16", False)
-    return dataclasses.replace(default_tiles(tokens), **given)
+    return default_tiles(tokens, **given)
 
 
 def chosen_options(args, tokens: int):

@@ -110,7 +110,7 @@ def main() -> None:
         runners_of, time_of = mono_runners, time_mono
     for tokens, sleep_ns, prefetch, rows in itertools.product(args.tokens, args.poll_sleep_ns, args.prefetch, m1b_rows):
         options = default_options(tokens, poll_sleep_ns=sleep_ns, m1b=fold_shape() if args.m1b else None,
-                                  tiles=dataclasses.replace(default_tiles(tokens), m1b_rows=rows))
+                                  tiles=default_tiles(tokens, m1b_rows=rows))
         runners = runners_of(cfg, args.tp, tokens, sets, options=options, trace=True, prefetch=prefetch)
         ranks = [runner.rank_states[0] for runner in runners]
         launch_us, spans = traced_launch(ranks)

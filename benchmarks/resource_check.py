@@ -20,7 +20,6 @@ step, the shared-memory and tensor-core ones by opcode.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # real builds, not the interpreter
@@ -81,11 +80,9 @@ def main() -> int:
           f"on {offline.H200_SMS} SMs")
     prefetch = DEFAULT_PREFETCH if args.prefetch is None else args.prefetch
     for tokens in args.tokens:
-        # the tensor-core experts read mma order: f16 sums (the default) go unless asked for
-        f16 = bool(args.expert_f16) if args.expert_f16 is not None else (False if args.expert_mma else None)
         given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows, "expert_mma": args.expert_mma or None,
-                 "expert_f16": f16}
-        tiles = dataclasses.replace(default_tiles(tokens), **{k: v for k, v in given.items() if v is not None})
+                 "expert_f16": None if args.expert_f16 is None else bool(args.expert_f16)}
+        tiles = default_tiles(tokens, **{k: v for k, v in given.items() if v is not None})
         ctas = default_ctas_per_sm(tokens) if args.ctas_per_sm is None else args.ctas_per_sm
         compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles,
                                              prefetch=prefetch, ctas_per_sm=ctas)

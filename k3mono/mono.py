@@ -201,13 +201,17 @@ defaults, docs/PERF.md): 72.7 (8 KB) -> 71.1 (16) and 72.4 (32, which spills
 gained nothing: 72.7 both."""
 
 
-def default_tiles(tokens: int) -> TileChoice:
+def default_tiles(tokens: int, **given) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows
-    and SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step."""
+    and SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step; any field in ``given``
+    overrides its default. The tensor-core experts read mma order, so asking for
+    them drops the default f16 sums (the other order) unless expert_f16 is given too."""
+    tiles = DEFAULT_TILES
     if tokens == 1:
-        return dataclasses.replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
-                                   shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB)
-    return DEFAULT_TILES
+        tiles = dataclasses.replace(tiles, down_rows=SINGLE_TOKEN_DOWN_ROWS, shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB)
+    if given.get("expert_mma"):
+        given = {"expert_f16": False, **given}
+    return dataclasses.replace(tiles, **given)
 
 
 SINGLE_TOKEN_SHARED_LATE = True
@@ -594,6 +598,7 @@ def k2_launch(
     outputs into its scratch before that, and m1b_in is M1b's weights only.
     trace: required iff key.trace, int64 [tasks, 4] on the launch's device:
     each ticket's SM, taken, ready and done times (k3mono/trace.py)."""
+    from .kernels.common import register_cap
     from .kernels.mono import _mono_kernel
 
     c = build(key)
@@ -630,7 +635,7 @@ def k2_launch(
         views(own, torch.float32), views(own, torch.bfloat16), views(own, torch.int32),
         peer_table,
         rank, epoch, layer, health, int(alarm), len(c.table.tasks), trace,
-        **c.consts, num_warps=MONO_WARPS, **_register_cap(key),
+        **c.consts, num_warps=MONO_WARPS, **register_cap(key.max_registers),
     )
 
 
@@ -644,11 +649,6 @@ def _trace_arg(key: MonoBuild, trace, num_tasks: int, health):
     if trace.device != health.device:
         raise K3InputError(f"trace: expected on {health.device}, got {trace.device}")
     return trace
-
-
-def _register_cap(key: MonoBuild) -> dict:
-    """The maxnreg launch option where a cap is set (compiled builds only: the interpreter takes none)."""
-    return {} if key.max_registers is None or _interpreting() else {"maxnreg": key.max_registers}
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

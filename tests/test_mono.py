@@ -21,8 +21,8 @@ import triton
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
-                         MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, mono_key, peer_regions,
-                         scratch_regions)
+                         MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_tiles, mono_key,
+                         peer_regions, scratch_regions)
 from k3mono.mxfp4 import mma_order
 from k3mono.planner import (COL, MONO_WARPS, SM_REGISTERS, M1bShape, MonoOptions, TaskKind, TileChoice,
                             expert_mma_tile)
@@ -403,6 +403,19 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     assert [k.max_registers for k in keys.values()] == [None, None, None, None, 168]
     given = MonoOptions(tiles=TileChoice(down_rows=32))
     assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).options == given
+
+
+def test_default_tiles_take_given_fields_and_the_tensor_core_experts_drop_the_f16_sums():
+    """default_tiles(S, **given): each given field overrides S's default; asking for
+    the tensor-core experts (mma order) drops the default f16 sums (the other
+    order) unless expert_f16 is given too, which TileChoice then refuses."""
+    assert default_tiles(1, down_rows=8, m1b_rows=16) == replace(default_tiles(1), down_rows=8, m1b_rows=16)
+    mma = default_tiles(8, expert_mma=True)
+    assert mma == replace(DEFAULT_TILES, expert_mma=True, expert_f16=False)
+    mma.check()
+    with pytest.raises(K3InputError, match="expert_mma and expert_f16"):
+        default_tiles(8, expert_mma=True, expert_f16=True).check()
+    assert default_tiles(8, expert_mma=False) == DEFAULT_TILES
 
 
 def test_a_build_key_caps_registers_so_its_planned_ctas_stay_resident():

@@ -30,6 +30,12 @@ numpy 2 it calls int() on a one-element array and fails): such loops run as
 while loops there and as software-pipelined for loops in compiled builds,
 both over the same step function."""
 
+
+def register_cap(max_registers: int | None) -> dict:
+    """The maxnreg launch option where a cap is set (compiled builds only: the interpreter takes none)."""
+    return {} if max_registers is None or INTERPRET else {"maxnreg": max_registers}
+
+
 _BF16_SHIFT = tl.constexpr(16)  # a bf16 is the high half of an fp32
 _BF16_HALF_ULP = tl.constexpr(0x7FFF)  # round-to-nearest: half an ulp, less one, plus the odd bit
 _F32_ABS_MASK = tl.constexpr(0x7FFFFFFF)

@@ -366,11 +366,6 @@ def _mla_attn_kernel(
                   D_ROPE, SPLITS, BLOCK_H, BLOCK_N, STAGES, KV_FP8, UPCAST)
 
 
-def register_cap(max_registers: int | None) -> dict:
-    """The maxnreg launch option where a cap is set (compiled builds only: the interpreter takes none)."""
-    return {} if max_registers is None or common.INTERPRET else {"maxnreg": max_registers}
-
-
 def shape_text(t) -> str:
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -459,5 +454,5 @@ def launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, *, kv_sc
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         HEADS=heads, B=requests, BP=next_pow2(requests), PAGE_SIZE=kv.shape[1], D_LATENT=latent,
         D_ROPE=dqk - latent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
-        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps, **register_cap(max_registers),
+        KV_FP8=kv.dtype == FP8, UPCAST=common.UPCAST_DOT, num_warps=warps, **common.register_cap(max_registers),
     )
