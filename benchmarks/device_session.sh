@@ -27,7 +27,7 @@
 # tiles_check: down rows 32 / 16 at S = 1, 2; mla_check_one: one MLA case; expert_f16: the expert loops summing
 # in f16 timed (staged stages, mono off / on) and checked; ctas_f16: 3 and 4 CTAs a SM with f16 sums (mono);
 # lookahead_many: the expert lookahead at 3 CTAs a SM (S = 16); trace16: the S = 16 trace beside the staged stages;
-# expert_mma: the expert
+# x_groups: the router and latent down by groups of tokens, timed and checked; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -185,6 +185,11 @@ for s in $STEPS; do
     lookahead_many)  # at 3 CTAs a SM (S >= 12) the expert loops with and without the activations a step ahead
         step lookahead_s16 120 $MONO_SWEEP --tokens 16 --ctas 3 --prefetch 0 --prefetch-final 1 --expert-f16 1 \
             --expert-lookahead 1 0 ;;
+    x_groups)  # the router and latent down by groups of 4 tokens (TileChoice.x_token_groups): timed against the
+        # defaults at S = 16 and 8, then checked (loopback T = 8, S = 16 and 6: the last group shifted back)
+        step x_groups_ab 330 python3 benchmarks/tile_ab.py --field x_token_groups --values 0 1 --tokens 16 8
+        step x_groups_check 200 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 16 6 \
+            --x-token-groups 1 --grids --occupy-sms 0 --layers-tokens ;;
     tiles)  # gate/up and down task rows (TileChoice.gate_up_rows, down_rows), mono only, S = 1, 2 and 8
         step mono_tiles_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 8 --down-rows 32 16 8 --skip-staged

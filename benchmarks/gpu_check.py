@@ -232,11 +232,8 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, exp
 
 def chosen_tiles(args, tokens: int) -> TileChoice:
     """mono.default_tiles(tokens) with the fields given on the command line."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TileChoice)
-             if getattr(args, f.name, None) is not None}
-    for flag in ("expert_lookahead", "expert_mma", "expert_f16"):
-        if flag in given:
-            given[flag] = bool(given[flag])
+    given = {f.name: type(f.default)(getattr(args, f.name)) for f in dataclasses.fields(TileChoice)
+             if getattr(args, f.name) is not None}
     return default_tiles(tokens, **given)
 
 
@@ -252,10 +249,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--skip-staged", action="store_true")
     parser.add_argument("--skip-mono", action="store_true")
-    for name in ("dense_step_kb", "gate_up_rows", "down_rows", "router_rows", "latent_rows", "shared_rows",
-                 "expert_lookahead", "oproj_rows", "final_rows", "expert_mma", "expert_f16"):
+    for name in (f.name for f in dataclasses.fields(TileChoice)):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                            help=f"TileChoice.{name} (default: mono.default_tiles(S)'s)")
+                            help=f"TileChoice.{name} (default: mono.default_tiles(S)'s; 0 / 1 for a bool)")
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--ctas-per-sm", type=int, default=None,
                         help="MonoOptions.ctas_per_sm (default: mono.default_ctas_per_sm(S))")

@@ -407,7 +407,7 @@ def build(key: MonoBuild) -> Compiled:
         NCOL=len(COL),
         NP=1 if key.loopback else T, T=T, S=S, SP=g.tokens_pad, H=H, C_R=C // T, E=E, E_R=E // T,
         E_PAD=next_pow2(E), RC=g.route_chunk, KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
-        USE_DOT=g.use_dot, UPCAST=common.UPCAST_DOT,
+        USE_DOT=g.use_dot, XG=g.x_group, XGP=g.x_group_pad, XG_DOT=g.x_group_dot, UPCAST=common.UPCAST_DOT,
         O_ROWS=g.oproj.rows, O_BK=g.oproj.block_k, O_EVEN=even_k(C // T, g.oproj.block_k),
         R_ROWS=g.router.rows, R_BK=g.router.block_k, R_EVEN=even_k(H, g.router.block_k),
         LD_ROWS=g.latent_down.rows, LD_BK=g.latent_down.block_k, LD_EVEN=even_k(H, g.latent_down.block_k),

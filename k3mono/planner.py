@@ -214,6 +214,18 @@ def expert_mma_tile(out_dim: int) -> GemvTile:
     return GemvTile(rows=rows, block_k=EXPERT_MMA_GROUPS * MXFP4_GROUP, warps=4)
 
 
+X_TOKEN_GROUPS = False
+"""Above FMA_MAX_TOKENS tokens, the router and the latent down-projection (the
+two GEMVs of x that gate the experts) on the FMA path by groups of
+FMA_MAX_TOKENS tokens (TileChoice.x_token_groups): a task per (row tile, group),
+the group's tasks of a tile reading its weight rows once from HBM and again
+from L2. On the tl.dot path a task needs 16 rows: at S = 16 and TP8 the router
+is 7 tasks of 229 KB, 20.6 us each, and the latent down-projection 28 such tasks,
+alone on the latency chain from x to the experts while some 300 CTAs wait (the
+trace at 292242e, an H100, docs/PERF.md). By groups the router is 56 row tiles
+of ROUTER_ROWS times S / 4 groups. Off here (the staged path); the mono launch
+decides (mono.DEFAULT_TILES)."""
+
 BACK_BLOCK_DV = 32
 BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
 """Value rows of one head an M1b task (or program) produces: 4 a head, 48 tasks
@@ -228,7 +240,7 @@ head's splits, so fewer rows make more, shorter tasks that repeat the combine.""
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
     build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, LATENT_ROWS, SHARED_ROWS,
-    EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV and EXPERT_MMA_ROWS)."""
+    EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS and X_TOKEN_GROUPS)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
@@ -243,6 +255,7 @@ class TileChoice:
     shared_step_kb: int = DENSE_STEP_KB
     expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
     expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
+    x_token_groups: bool = X_TOKEN_GROUPS  # above FMA_MAX_TOKENS: router and latent down by groups of tokens
 
     def check(self) -> None:
         for name in ("dense_step_kb", "shared_step_kb"):
@@ -261,7 +274,7 @@ class TileChoice:
             raise K3InputError(f"tiles.latent_rows: expected one of {LATENT_ROWS_CHOICES}, got {self.latent_rows!r}")
         if self.shared_rows not in SHARED_ROWS_CHOICES:
             raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
-        for name in ("expert_lookahead", "expert_mma", "expert_f16"):
+        for name in ("expert_lookahead", "expert_mma", "expert_f16", "x_token_groups"):
             if not isinstance(getattr(self, name), bool):
                 raise K3InputError(f"tiles.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.expert_mma and self.expert_f16:
@@ -330,8 +343,8 @@ class StageGeometry:
     tokens_pad: int  # S rounded up to a power of two (16 when use_dot)
     use_dot: bool
     oproj: GemvTile
-    router: GemvTile
-    latent_down: GemvTile
+    router: GemvTile  # by x_group tokens a task
+    latent_down: GemvTile  # by x_group tokens a task
     shared_gate_up: GemvTile
     final: GemvTile  # latent up + shared down
     expert_gate_up: GemvTile  # MXFP4, block_k a multiple of MXFP4_GROUP
@@ -341,11 +354,26 @@ class StageGeometry:
     seam_cols: int  # columns of H an AttnRes seam task covers (SEAM_COLS)
     score_cols: int  # columns of H a seam score chunk covers (SEAM_SCORE_COLS)
     route_chunk: int  # experts a route part sorts (ROUTE_CHUNK)
+    x_group: int  # tokens a router / latent down task takes (X_TOKEN_GROUPS): S, or FMA_MAX_TOKENS
     # Warps of latent_norm (staged launch): on the latency chain, one CTA keeps a
     # token's T partial slots in flight at once, so more warps than the reduces.
     latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
     m1b: "M1bGeometry | None" = None  # the mono launch's M1b tasks (MonoOptions.m1b)
     m1c: "M1cGeometry | None" = None  # the mono launch's M1c tasks (MonoOptions.m1c)
+
+    @property
+    def x_groups(self) -> int:
+        return -(-self.tokens // self.x_group)
+
+    @property
+    def x_group_dot(self) -> bool:
+        """Whether the router and latent down tasks run tl.dot (else FMAs)."""
+        return self.x_group > FMA_MAX_TOKENS
+
+    @property
+    def x_group_pad(self) -> int:
+        """The router and latent down tiles' token extent (SP of their gemv_tile)."""
+        return self.tokens_pad if self.x_group == self.tokens else next_pow2(self.x_group)
 
 
 @dataclass(frozen=True)
@@ -491,13 +519,15 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
     step_kb = tiles.dense_step_kb
     H, C, E, L, I, SI = cfg.matrix_dims
     use_dot = tokens > FMA_MAX_TOKENS
+    x_group = FMA_MAX_TOKENS if use_dot and tiles.x_token_groups else tokens
+    x_dot = x_group > FMA_MAX_TOKENS
     return StageGeometry(
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
         oproj=_dense(H, C // tp, use_dot, step_kb, tiles.oproj_rows),
-        router=_dense(E // tp, H, use_dot, step_kb, tiles.router_rows),
-        latent_down=_dense(L // tp, H, use_dot, step_kb, tiles.latent_rows),
+        router=_dense(E // tp, H, x_dot, step_kb, tiles.router_rows),
+        latent_down=_dense(L // tp, H, x_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, tiles.shared_step_kb, tiles.shared_rows),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
         expert_gate_up=(expert_mma_tile(I // tp) if tiles.expert_mma
@@ -509,6 +539,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         seam_cols=seam_cols(H),
         score_cols=SEAM_SCORE_COLS,
         route_chunk=route_chunk(E, cfg.num_experts_per_token),
+        x_group=x_group,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )
@@ -1009,6 +1040,13 @@ def _rank_cols(table: TaskTable, task: Task, rank: int, full: int) -> slice:
     return slice(base + task.span[0], base + task.span[1])
 
 
+def _group_tokens(table: TaskTable, task: Task) -> slice:
+    """Tokens a ROUTER / LATENT_DOWN task stores: its group's (geometry.x_group), or all."""
+    if task.token < 0:
+        return slice(None)
+    return slice(task.token, min(task.token + table.geometry.x_group, table.tokens))
+
+
 _WRITES = {
     TaskKind.M1C: lambda tb, t, r: _split_writes(tb, t),
     TaskKind.M1B: lambda tb, t, r: [Write("core", False, _all_rows(*t.span))],
@@ -1021,10 +1059,10 @@ _WRITES = {
     ],
     TaskKind.SEAM_NORM: lambda tb, t, r: [Write("x", False, (t.token, slice(*t.span)))],
     TaskKind.ROUTER: lambda tb, t, r: [
-        Write("logits", True, (slice(None), _rank_cols(tb, t, r, tb.cfg.num_experts)))
+        Write("logits", True, (_group_tokens(tb, t), _rank_cols(tb, t, r, tb.cfg.num_experts)))
     ],
     TaskKind.LATENT_DOWN: lambda tb, t, r: [
-        Write("z", True, (slice(None), _rank_cols(tb, t, r, tb.cfg.routed_expert_hidden_size)))
+        Write("z", True, (_group_tokens(tb, t), _rank_cols(tb, t, r, tb.cfg.routed_expert_hidden_size)))
     ],
     TaskKind.SHARED_GU: lambda tb, t, r: [Write("shared_act", False, _all_rows(*t.span))],
     TaskKind.ROUTE_PART: lambda tb, t, r: [Write("route_keys", False, (t.token, t.tile))],
@@ -1182,17 +1220,26 @@ class _Planner:
                          streams=self._vector_slices_once(token, ["post_norm"], lo, hi),
                          waits=[_WaitSpec(Flag.MIXED, token, len(self.seam_chunks))], raises=[(Flag.X_READY, 0)])
 
-    def _x_gemv(self, kind, tile_list, names, flag):
+    def _x_gemv(self, kind, tile_list, names, flag, group_tokens=None):
+        """A task per row tile and group of ``group_tokens`` tokens (all S when
+        None), tile-major: a tile's groups run side by side, the first reading
+        its rows from HBM, the others from L2. ``token`` is the group's first."""
         x_written = _WaitSpec(Flag.X_READY, 0, self.S * len(self.seam_chunks))
+        firsts = range(0, self.S, group_tokens or self.S)
         for tile, lo, hi in tile_list:
-            self.add(kind, tile=tile, span=(lo, hi), streams=self._rows(names, lo, hi), waits=[x_written],
-                     raises=[(flag, 0)])
+            for first in firsts:
+                streams = self._rows(names, lo, hi) if first == 0 else ()
+                self.add(kind, tile=tile, span=(lo, hi), token=first if group_tokens else -1, streams=streams,
+                         waits=[x_written], raises=[(flag, 0)])
+
+    def _x_group(self) -> int | None:
+        return self.g.x_group if self.g.x_group < self.S else None
 
     def router(self):
-        self._x_gemv(TaskKind.ROUTER, self.router_tiles, ["router"], Flag.LOGITS)
+        self._x_gemv(TaskKind.ROUTER, self.router_tiles, ["router"], Flag.LOGITS, self._x_group())
 
     def latent_down(self):
-        self._x_gemv(TaskKind.LATENT_DOWN, self.latent_tiles, ["latent_down"], Flag.Z)
+        self._x_gemv(TaskKind.LATENT_DOWN, self.latent_tiles, ["latent_down"], Flag.Z, self._x_group())
 
     def shared_gate_up(self):
         self._x_gemv(TaskKind.SHARED_GU, self.shared_tiles, ["shared_gate", "shared_up"], Flag.SHARED_READY)
@@ -1202,7 +1249,7 @@ class _Planner:
             for part, lo, hi in self.route_parts:
                 self.add(TaskKind.ROUTE_PART, tile=part, span=(lo, hi), token=token,
                          streams=self._vector_slices_once(token, ["router_bias"], lo, hi),
-                         waits=[_WaitSpec(Flag.LOGITS, 0, self.tp * len(self.router_tiles))],
+                         waits=[_WaitSpec(Flag.LOGITS, 0, self.tp * len(self.router_tiles) * self.g.x_groups)],
                          raises=[(Flag.RANKED, token)])
 
     def route(self):
@@ -1212,7 +1259,7 @@ class _Planner:
 
     def expert_gate_up(self):
         names = ["w1_packed", "w1_scale", "w3_packed", "w3_scale"]
-        z_arrived = _WaitSpec(Flag.Z, 0, self.tp * len(self.latent_tiles))
+        z_arrived = _WaitSpec(Flag.Z, 0, self.tp * len(self.latent_tiles) * self.g.x_groups)
         for token in range(self.S):
             waits = (_WaitSpec(Flag.ROUTED, token, 1, before_loads=True), z_arrived)  # shared by the token's tasks
             raises = ((Flag.ACT, token),)

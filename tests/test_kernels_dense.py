@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from k3mono.config import preset
-from k3mono.planner import seam_candidates_max, stage_geometry
+from k3mono.planner import TileChoice, seam_candidates_max, stage_geometry
 from k3mono.reference import BF16
 from k3mono.reference import stages as st
 from k3mono.reference.tp import combine, core_slice, latent_slice
@@ -191,6 +191,19 @@ def seam_scratch(cfg, S, geom) -> dict:
 
 GEOMETRIES = {"planned": lambda g: g, "narrow": narrow}
 
+X_GROUP_CASES = [("tiny", 2, 6, "grouped"), ("tiny", 4, 16, "grouped"), ("small", 8, 9, "grouped")]
+"""Token counts past FMA_MAX_TOKENS with the router and latent down by groups of
+tokens (TileChoice.x_token_groups); 6 and 9 end in a group whose window shifts back."""
+
+
+def x_geometry(cfg, tp: int, S: int, geo: str):
+    """The geometry of the router and latent down cases: GEOMETRIES', or by token groups."""
+    if geo != "grouped":
+        return GEOMETRIES[geo](stage_geometry(cfg, tp, S))
+    geom = stage_geometry(cfg, tp, S, tiles=TileChoice(x_token_groups=True))
+    assert geom.x_groups > 1 and not geom.x_group_dot
+    return geom
+
 
 def cases(tokens=TOKENS):
     out = [("tiny", tp, s, "planned") for tp in TPS for s in tokens]
@@ -329,12 +342,12 @@ def test_attnres_reads_blocks_through_strides():
 # -- the GEMV stages on x ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 16, "planned")], ids=case_id)
+@pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 16, "planned")] + X_GROUP_CASES, ids=case_id)
 def test_router(case):
     name, tp, S, geo = case
     rank = tp - 1
     cfg, w = rank_shard(name, tp, rank)
-    geom = GEOMETRIES[geo](stage_geometry(cfg, tp, S))
+    geom = x_geometry(cfg, tp, S, geo)
     E, n = cfg.num_experts, cfg.num_experts // tp
     x = activations((S, cfg.hidden_size), seed=40 + S)
     logits = poisoned((S, E), torch.float32)
@@ -345,12 +358,12 @@ def test_router(case):
     assert_nan(logits[:, (rank + 1) * n :], "logits right of the slice")
 
 
-@pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 5, "planned")], ids=case_id)
+@pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 5, "planned")] + X_GROUP_CASES, ids=case_id)
 def test_latent_down(case):
     name, tp, S, geo = case
     rank = tp - 1
     cfg, w = rank_shard(name, tp, rank)
-    geom = GEOMETRIES[geo](stage_geometry(cfg, tp, S))
+    geom = x_geometry(cfg, tp, S, geo)
     L, n = cfg.routed_expert_hidden_size, cfg.routed_expert_hidden_size // tp
     x = activations((S, cfg.hidden_size), seed=50 + S)
     z = poisoned((S, L), torch.bfloat16)

@@ -534,6 +534,33 @@ def test_wider_hidden_tasks_stay_within_budget_and_loopback_pushes_the_same_tile
         assert same_bits(runner.result(rank), runner._staged.result(rank)), f"rank {rank}: mono and staged differ"
 
 
+X_GROUP_CASES = [(2, 6), (1, 9)]
+
+
+@pytest.mark.parametrize("tp,tokens", X_GROUP_CASES, ids=[f"T{t}-S{s}" for t, s in X_GROUP_CASES])
+def test_router_and_latent_down_by_token_groups_stay_within_budget_and_match_staged(tp, tokens):
+    """TileChoice.x_token_groups: past FMA_MAX_TOKENS tokens the router and latent
+    down tasks run FMAs on groups of 4 tokens (the last group's window shifted
+    back to end at S: 6 and 9 are not multiples of 4), summing otherwise than
+    tl.dot: the launch stays within the reference's budget, every task's rows
+    land once (the buffers are poisoned), and the staged path at the same tiles
+    gives the same bits on every rank."""
+    cfg, layer = preset("tiny"), 13
+    shards = shard_all(layer_weights(), cfg, tp)
+    inputs = random_inputs(cfg, tokens, layer, seed=47 + tokens)
+    runner = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=TileChoice(x_token_groups=True)))
+    geometry = runner.compiled.table.geometry
+    assert geometry.x_groups == -(-tokens // 4) and not geometry.x_group_dot and geometry.use_dot
+    got = runner(**inputs)
+    check_against_reference(cfg, shards, inputs, layer, got)
+    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
+    if tp == 1:
+        staged(**inputs)
+    assert staged.geom == geometry
+    for rank in range(tp):
+        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+
+
 EXPERT_ORDER_CASES = [("mma", 2, 3), ("mma", 1, 16), ("f16", 2, 3), ("f16", 1, 16)]
 
 

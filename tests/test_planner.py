@@ -44,10 +44,12 @@ CONFIGS = (
 )
 SIM_CASES = [(name, tp, s, sms) for name, tp, s in CONFIGS for sms in SMS]
 M1B_CONFIGS = [("kimi-k3", 8, 4), ("kimi-k3", 1, 16), ("tiny", 2, 3), ("tiny", 1, 1)]
+X_GROUP_CONFIGS = [("kimi-k3", 8, 16), ("kimi-k3", 2, 6), ("tiny", 2, 9), ("small", 8, 5)]
 TABLES = ([(*c, None) for c in CONFIGS] + [(*c, "m1b") for c in M1B_CONFIGS]
-          + [(*c, "m1c") for c in M1B_CONFIGS])
+          + [(*c, "m1c") for c in M1B_CONFIGS] + [(*c, "x_groups") for c in X_GROUP_CONFIGS])
 """(preset, T, S, mla): every config plain, a few as MLA layers whose launch runs
-M1b ("m1b"), or M1c then M1b ("m1c")."""
+M1b ("m1b"), or M1c then M1b ("m1c"); a few past FMA_MAX_TOKENS tokens with the
+router and latent down by groups of tokens ("x_groups": TileChoice.x_token_groups)."""
 
 KIND_ORDER = [
     TaskKind.OPROJ,
@@ -81,10 +83,10 @@ def m1c_shape(name: str, tp: int, tokens: int) -> M1cShape:
 @lru_cache(maxsize=None)
 def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False, mla: str | None = None,
               route_early: bool = False, shared_late: bool = False):
-    m1b = m1b_shape(name, tp) if mla else None
+    m1b = m1b_shape(name, tp) if mla in ("m1b", "m1c") else None
     m1c = m1c_shape(name, tp, tokens) if mla == "m1c" else None
     options = MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c, route_early=route_early,
-                          shared_late=shared_late)
+                          shared_late=shared_late, tiles=TileChoice(x_token_groups=mla == "x_groups"))
     return plan(preset(name), tp, tokens, sms, options)
 
 

@@ -181,10 +181,40 @@ def store_rows(
     ROWS: tl.constexpr,
 ):
     """out[:S, row0 : row0 + ROWS] = tile, masked to the real tokens and rows."""
+    store_rows_from(out_ptr, stride_os, tile, row0, 0, S, N, SP, ROWS)
+
+
+@triton.jit
+def store_rows_from(
+    out_ptr,  # [S, N] (any dtype), row stride stride_os, unit column stride
+    stride_os,
+    tile,  # [SP, ROWS] in out's dtype
+    row0,
+    first,  # the first token stored: the ones before it are another task's
+    S: tl.constexpr,
+    N: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """out[first:S, row0 : row0 + ROWS] = tile[first:S], masked to the real rows."""
     tok = tl.arange(0, SP)
     rows = row0 + tl.arange(0, ROWS)
     ptrs = out_ptr + tok[:, None] * stride_os + rows[None, :]
-    tl.store(ptrs, tile, mask=(tok < S)[:, None] & (rows < N)[None, :])
+    tl.store(ptrs, tile, mask=((tok >= first) & (tok < S))[:, None] & (rows < N)[None, :])
+
+
+@triton.jit
+def group_window(
+    first,  # the group's first token (a multiple of G), or -1: all S tokens (G = S)
+    S: tl.constexpr,
+    G: tl.constexpr,  # tokens a group
+):
+    """(window, skip): a task of a group of G tokens runs on the G rows of x
+    from ``window``, the last group's window shifted back to end at row S (x
+    has exactly S rows), and stores the rows from ``skip`` on (the earlier
+    ones belong to the group before, which computes the same bits)."""
+    window = tl.minimum(tl.maximum(first, 0), S - G)
+    return window, tl.maximum(first, 0) - window
 
 
 def even_k(k: int, block_k: int) -> bool:

@@ -4,9 +4,10 @@ Shapes: S tokens, H hidden, L latent, T ranks, L/T the rank's latent rows.
 
     z[:, r*L/T : (r+1)*L/T] [S, L/T] bf16 = bf16(x [S, H] @ latent_down_r [L/T, H].T)
 
-A task owns ``geom.latent_down.rows`` latent rows. The slice is gathered by
-every rank, so ``latent_down_task`` returns the rounded register tile; its
-caller stores it into each destination's z columns.
+A task owns ``geom.latent_down.rows`` latent rows of ``geom.x_group`` tokens (all
+S, or a group: kernels/gemv.py group_window). The slice is gathered by every
+rank, so ``latent_down_task`` returns the rounded register tile; its caller
+stores it into each destination's z columns.
 """
 
 from __future__ import annotations
@@ -16,28 +17,30 @@ import triton.language as tl
 
 from . import common
 from .common import to_bf16
-from .gemv import check_rows_contiguous, even_k, gemv_tile, num_tasks, store_rows
+from .gemv import check_rows_contiguous, even_k, gemv_tile, group_window, num_tasks, store_rows_from
 
 
 @triton.jit
 def latent_down_task(
     task,
+    window,  # the first x row of the task's G tokens (group_window)
     x_ptr,  # [S, H] bf16
     stride_xs,
     w_ptr,  # [L/T, H] bf16
     stride_wn,
-    S: tl.constexpr,
+    G: tl.constexpr,  # tokens a task: S, or a group's
     N: tl.constexpr,  # L/T
     K: tl.constexpr,  # H
-    SP: tl.constexpr,
+    GP: tl.constexpr,  # G padded (the tile's token extent)
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """[SP, ROWS] bf16: z columns task*ROWS .. of this rank's slice."""
-    acc = gemv_tile(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
+    """[GP, ROWS] bf16: z of tokens window .. window + G - 1, columns task*ROWS .. of this rank's slice."""
+    acc = gemv_tile(x_ptr + window * stride_xs, stride_xs, w_ptr, stride_wn, task * ROWS, G, N, K, GP, ROWS, BLOCK_K,
+                    USE_DOT, EVEN_K, UPCAST)
     return to_bf16(acc)
 
 
@@ -50,9 +53,10 @@ def _latent_down_kernel(
     z_ptr,  # [S, L/T] bf16: a column slice of z [S, L]
     stride_zs,
     S: tl.constexpr,
+    G: tl.constexpr,
     N: tl.constexpr,
     K: tl.constexpr,
-    SP: tl.constexpr,
+    GP: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -60,8 +64,10 @@ def _latent_down_kernel(
     UPCAST: tl.constexpr,
 ):
     task = tl.program_id(0)
-    tile = latent_down_task(task, x_ptr, stride_xs, w_ptr, stride_wn, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
-    store_rows(z_ptr, stride_zs, tile, task * ROWS, S, N, SP, ROWS)
+    window, skip = group_window(tl.program_id(1) * G, S, G)
+    tile = latent_down_task(task, window, x_ptr, stride_xs, w_ptr, stride_wn, G, N, K, GP, ROWS, BLOCK_K, USE_DOT,
+                            EVEN_K, UPCAST)
+    store_rows_from(z_ptr + window * stride_zs, stride_zs, tile, task * ROWS, skip, G, N, GP, ROWS)
 
 
 def launch_latent_down(x, w, z_out, geom) -> None:
@@ -74,8 +80,9 @@ def launch_latent_down(x, w, z_out, geom) -> None:
     for name, t in (("x", x), ("w", w), ("z_out", z_out)):
         check_rows_contiguous(name, t)
     tile = geom.latent_down
-    _latent_down_kernel[(num_tasks(N, tile.rows),)](
+    _latent_down_kernel[(num_tasks(N, tile.rows), geom.x_groups)](
         x, x.stride(0), w, w.stride(0), z_out, z_out.stride(0),
-        S=S, N=N, K=K, SP=geom.tokens_pad, ROWS=tile.rows, BLOCK_K=tile.block_k, USE_DOT=geom.use_dot,
+        S=S, G=geom.x_group, N=N, K=K, GP=geom.x_group_pad, ROWS=tile.rows, BLOCK_K=tile.block_k,
+        USE_DOT=geom.x_group_dot,
         EVEN_K=even_k(K, tile.block_k), UPCAST=common.UPCAST_DOT, num_warps=tile.warps,
     )

@@ -70,7 +70,7 @@ from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_
 from .final import final_task
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
-from .gemv import store_rows
+from .gemv import group_window, store_rows_from
 from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
 from .mxfp4 import ACT_PRESCALE
@@ -194,8 +194,26 @@ def _push_rows(
     NP: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
+    _push_rows_from(peer_table_ptr, slot, stride, tile, row0, 0, S, N, SP, ROWS, NP, DTYPE)
+
+
+@triton.jit
+def _push_rows_from(
+    peer_table_ptr,  # int64 [NP]
+    slot,  # elements (of DTYPE) from a peer buffer's start to the slot's row of the tile's first token
+    stride,  # the slot's row stride
+    tile,  # [SP, ROWS] in DTYPE
+    row0,
+    first,  # the tile's first token stored (kernels/gemv.py store_rows_from)
+    S: tl.constexpr,
+    N: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    NP: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     for p in range(NP):
-        store_rows(_peer(peer_table_ptr, p, DTYPE) + slot, stride, tile, row0, S, N, SP, ROWS)
+        store_rows_from(_peer(peer_table_ptr, p, DTYPE) + slot, stride, tile, row0, first, S, N, SP, ROWS)
 
 
 # The GEMV tasks with their pushes, so that every task kind is one call that
@@ -232,6 +250,7 @@ def oproj_push_task(
 @triton.jit
 def router_push_task(
     tile,
+    first,  # the task's first token (a group's), -1: all S
     x_ptr,  # bf16 [S, H]
     w_gate_ptr,  # bf16 [E/T, H]
     peer_table_ptr,  # int64 [NP]
@@ -241,23 +260,27 @@ def router_push_task(
     H: tl.constexpr,
     E: tl.constexpr,
     E_R: tl.constexpr,
-    SP: tl.constexpr,
+    XG: tl.constexpr,  # tokens a task (planner.StageGeometry.x_group)
+    XGP: tl.constexpr,
     R_ROWS: tl.constexpr,
     R_BK: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    XG_DOT: tl.constexpr,
     R_EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
-    acc = router_task(tile, x_ptr, H, w_gate_ptr, H, S, E_R, H, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST)
-    _push_rows(peer_table_ptr, slot, E, acc, tile * R_ROWS, S, E_R, SP, R_ROWS, NP, tl.float32)
+    window, skip = group_window(first, S, XG)
+    acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST)
+    _push_rows_from(peer_table_ptr, slot + window * E, E, acc, tile * R_ROWS, skip, XG, E_R, XGP, R_ROWS, NP,
+                    tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
 @triton.jit
 def latent_down_push_task(
     tile,
+    first,  # the task's first token (a group's), -1: all S
     x_ptr,  # bf16 [S, H]
     w_ld_ptr,  # bf16 [L/T, H]
     peer_table_ptr,  # int64 [NP]
@@ -267,20 +290,23 @@ def latent_down_push_task(
     H: tl.constexpr,
     L: tl.constexpr,
     L_R: tl.constexpr,
-    SP: tl.constexpr,
+    XG: tl.constexpr,  # tokens a task (planner.StageGeometry.x_group)
+    XGP: tl.constexpr,
     LD_ROWS: tl.constexpr,
     LD_BK: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    XG_DOT: tl.constexpr,
     LD_EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
     PRESCALE: tl.constexpr,  # push z * 2^63 (exact), as the tensor-core expert tasks take it
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
-    zt = latent_down_task(tile, x_ptr, H, w_ld_ptr, H, S, L_R, H, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST)
+    window, skip = group_window(first, S, XG)
+    zt = latent_down_task(tile, window, x_ptr, H, w_ld_ptr, H, XG, L_R, H, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST)
     if PRESCALE:
         zt = to_bf16(as_f32(zt) * ACT_PRESCALE)
-    _push_rows(peer_table_ptr, slot, L, zt, tile * LD_ROWS, S, L_R, SP, LD_ROWS, NP, tl.bfloat16)
+    _push_rows_from(peer_table_ptr, slot + window * L, L, zt, tile * LD_ROWS, skip, XG, L_R, XGP, LD_ROWS, NP,
+                    tl.bfloat16)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
@@ -546,6 +572,9 @@ def _mono_kernel(
     I_R: tl.constexpr,
     SI_R: tl.constexpr,
     USE_DOT: tl.constexpr,
+    XG: tl.constexpr,  # tokens a ROUTER / LATENT_DOWN task (planner.StageGeometry.x_group)
+    XGP: tl.constexpr,  # XG padded: their tiles' token extent
+    XG_DOT: tl.constexpr,  # their arithmetic: tl.dot, else FMAs
     UPCAST: tl.constexpr,
     O_ROWS: tl.constexpr,
     O_BK: tl.constexpr,
@@ -739,11 +768,12 @@ def _mono_kernel(
                 seam_norm_task(token, tile, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, x_ptr, H, H, SC)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTER:
-                router_push_task(tile, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S,
-                                 H, E, E_R, SP, R_ROWS, R_BK, USE_DOT, R_EVEN, UPCAST, NP, SCOPE)
+                router_push_task(tile, token, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R,
+                                 FLAG_I + rword, S, H, E, E_R, XG, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
-                latent_down_push_task(tile, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R, FLAG_I + rword, S,
-                                      H, L, L_R, SP, LD_ROWS, LD_BK, USE_DOT, LD_EVEN, UPCAST, EXPERT_MMA, NP, SCOPE)
+                latent_down_push_task(tile, token, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R,
+                                      FLAG_I + rword, S, H, L, L_R, XG, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST,
+                                      EXPERT_MMA, NP, SCOPE)
             elif kind == K_SHARED_GU:
                 shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)

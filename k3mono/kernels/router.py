@@ -4,9 +4,10 @@ Shapes: S tokens, H hidden, E experts, T ranks, E/T the rank's experts.
 
     logits[:, r*E/T : (r+1)*E/T] [S, E/T] fp32 = x [S, H] @ router_r [E/T, H].T   (unrounded)
 
-A task owns ``geom.router.rows`` expert rows. The slice is gathered by every
-rank, so ``router_task`` returns the register tile; its caller stores it into
-each destination's logits columns.
+A task owns ``geom.router.rows`` expert rows of ``geom.x_group`` tokens (all S,
+or a group: kernels/gemv.py group_window). The slice is gathered by every rank,
+so ``router_task`` returns the register tile; its caller stores it into each
+destination's logits columns.
 """
 
 from __future__ import annotations
@@ -15,28 +16,30 @@ import triton
 import triton.language as tl
 
 from . import common
-from .gemv import check_rows_contiguous, even_k, gemv_tile, num_tasks, store_rows
+from .gemv import check_rows_contiguous, even_k, gemv_tile, group_window, num_tasks, store_rows_from
 
 
 @triton.jit
 def router_task(
     task,
+    window,  # the first x row of the task's G tokens (group_window)
     x_ptr,  # [S, H] bf16
     stride_xs,
     w_ptr,  # [E/T, H] bf16
     stride_wn,
-    S: tl.constexpr,
+    G: tl.constexpr,  # tokens a task: S, or a group's
     N: tl.constexpr,  # E/T
     K: tl.constexpr,  # H
-    SP: tl.constexpr,
+    GP: tl.constexpr,  # G padded (the tile's token extent)
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """[SP, ROWS] fp32: logits of experts task*ROWS .. of this rank's slice."""
-    return gemv_tile(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
+    """[GP, ROWS] fp32: logits of tokens window .. window + G - 1 for experts task*ROWS .. of this rank's slice."""
+    return gemv_tile(x_ptr + window * stride_xs, stride_xs, w_ptr, stride_wn, task * ROWS, G, N, K, GP, ROWS, BLOCK_K,
+                     USE_DOT, EVEN_K, UPCAST)
 
 
 @triton.jit
@@ -48,9 +51,10 @@ def _router_kernel(
     out_ptr,  # [S, E/T] fp32: a column slice of logits [S, E]
     stride_os,
     S: tl.constexpr,
+    G: tl.constexpr,
     N: tl.constexpr,
     K: tl.constexpr,
-    SP: tl.constexpr,
+    GP: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -58,8 +62,10 @@ def _router_kernel(
     UPCAST: tl.constexpr,
 ):
     task = tl.program_id(0)
-    tile = router_task(task, x_ptr, stride_xs, w_ptr, stride_wn, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
-    store_rows(out_ptr, stride_os, tile, task * ROWS, S, N, SP, ROWS)
+    window, skip = group_window(tl.program_id(1) * G, S, G)
+    tile = router_task(task, window, x_ptr, stride_xs, w_ptr, stride_wn, G, N, K, GP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
+                       UPCAST)
+    store_rows_from(out_ptr + window * stride_os, stride_os, tile, task * ROWS, skip, G, N, GP, ROWS)
 
 
 def launch_router(x, router_r, logits_out, geom) -> None:
@@ -72,8 +78,9 @@ def launch_router(x, router_r, logits_out, geom) -> None:
     for name, t in (("x", x), ("router_r", router_r), ("logits_out", logits_out)):
         check_rows_contiguous(name, t)
     tile = geom.router
-    _router_kernel[(num_tasks(N, tile.rows),)](
+    _router_kernel[(num_tasks(N, tile.rows), geom.x_groups)](
         x, x.stride(0), router_r, router_r.stride(0), logits_out, logits_out.stride(0),
-        S=S, N=N, K=K, SP=geom.tokens_pad, ROWS=tile.rows, BLOCK_K=tile.block_k, USE_DOT=geom.use_dot,
+        S=S, G=geom.x_group, N=N, K=K, GP=geom.x_group_pad, ROWS=tile.rows, BLOCK_K=tile.block_k,
+        USE_DOT=geom.x_group_dot,
         EVEN_K=even_k(K, tile.block_k), UPCAST=common.UPCAST_DOT, num_warps=tile.warps,
     )
