@@ -239,8 +239,11 @@ def chosen_tiles(args, tokens: int) -> TileChoice:
 
 def chosen_options(args, tokens: int):
     """default_options for S = ``tokens`` with the tiles, pause and CTAs a SM the arguments give."""
-    ctas = {} if args.ctas_per_sm is None else {"ctas_per_sm": args.ctas_per_sm}
-    return default_options(tokens, tiles=chosen_tiles(args, tokens), poll_sleep_ns=args.poll_sleep_ns, **ctas)
+    chosen = {} if args.ctas_per_sm is None else {"ctas_per_sm": args.ctas_per_sm}
+    for flag in ("final_split", "prefetch_shared"):
+        if getattr(args, flag) is not None:
+            chosen[flag] = bool(getattr(args, flag))
+    return default_options(tokens, tiles=chosen_tiles(args, tokens), poll_sleep_ns=args.poll_sleep_ns, **chosen)
 
 
 def main() -> int:
@@ -255,6 +258,10 @@ def main() -> int:
     parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
     parser.add_argument("--ctas-per-sm", type=int, default=None,
                         help="MonoOptions.ctas_per_sm (default: mono.default_ctas_per_sm(S))")
+    parser.add_argument("--final-split", type=int, default=None, choices=[0, 1],
+                        help="MonoOptions.final_split (default: mono.default_options(S)'s)")
+    parser.add_argument("--prefetch-shared", type=int, default=None, choices=[0, 1],
+                        help="MonoOptions.prefetch_shared (default: mono.default_options(S)'s)")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     parser.add_argument("--layers-tokens", type=int, nargs="*", default=[1],

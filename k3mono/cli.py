@@ -290,7 +290,7 @@ def _plan_group_line(group) -> str:
     waits = ", ".join(
         f"{w.flag.name}[{_span_text([t.waits[i].index for t in tasks], '').strip()}]"
         f">={_span_text([t.waits[i].count for t in tasks], '').strip()}"
-        + ("(addr)" if w.before_loads else "")
+        + ("(addr)" if w.before_loads else "") + ("(in task)" if w.in_task else "")
         for i, w in enumerate(tasks[0].waits)
     )
     raises = ", ".join(

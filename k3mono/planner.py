@@ -83,7 +83,7 @@ bytes a step."""
 
 ROUTER_ROWS = 2
 ROUTER_ROWS_CHOICES = (1, 2, 4, 8)
-"""Rows of a router task on the FMA path (S <= FMA_MAX_TOKENS; tl.dot needs 16).
+"""Rows of a router task on the FMA path (S <= FMA_MAX_TOKENS, or X_TOKEN_GROUPS; tl.dot needs 16).
 The router is on the latency chain (x -> logits -> route -> experts) and has
 only E/T = 112 rows at T = 8: 8 rows a task made 14 tasks, each streaming 115 KB
 alone, a step (8 KB) a memory round trip (the trace: 9.5 us a task at S = 1).
@@ -223,8 +223,11 @@ from L2. On the tl.dot path a task needs 16 rows: at S = 16 and TP8 the router
 is 7 tasks of 229 KB, 20.6 us each, and the latent down-projection 28 such tasks,
 alone on the latency chain from x to the experts while some 300 CTAs wait (the
 trace at 292242e, an H100, docs/PERF.md). By groups the router is 56 row tiles
-of ROUTER_ROWS times S / 4 groups. Off here (the staged path); the mono launch
-decides (mono.DEFAULT_TILES)."""
+of ROUTER_ROWS times S / 4 groups (224 tasks of 29 KB at S = 16). Not yet timed
+on a GPU (benchmarks/device_session.sh x_groups), so off, for the mono launch
+too; offline sm_90a builds of the mono kernel at TP8 keep their registers (255
+at S = 8, 168 at S = 16) with 7 and 99 stack loads and stores in the task loop
+(8 and 76 without), none in a step loop."""
 
 BACK_BLOCK_DV = 32
 BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
@@ -591,6 +594,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 the critical path, it needs all of H twice) over CTAs
 #   ROUTER        critical path (logits -> route -> experts): first
 #   LATENT_DOWN   next (z gates the experts)
+#   PREFETCH_SHARED (option) SHARED_GU's weights into L2 while the chain settles
 #   SHARED_GU     last of the three: only FINAL needs it. All three issue their
 #                 weights before waiting X_READY, so they stream during the
 #                 AR1 + seam chain
@@ -614,6 +618,8 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 token's chain is the critical path either way)
 #   FINAL         latent up + shared down; its weights are issued before its
 #                 waits, so the first CTAs there stream while AR2 settles
+#                 (option final_split: the shared down first, then the wait
+#                 for the latent, polled by the task itself)
 #   REDUCE3       AR3 per (column tile, token), as REDUCE1
 #
 # Flags are counters, indexed at the CONSUMER's granularity (a consumer polls
@@ -654,7 +660,10 @@ OPT_M1C = 1 << 2
 OPT_ROUTE_EARLY = 1 << 3
 OPT_SHARED_LATE = 1 << 4
 OPT_EXPERT_EVICT_FIRST = 1 << 5
-OPT_ALL = OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE | OPT_EXPERT_EVICT_FIRST
+OPT_FINAL_SPLIT = 1 << 6
+OPT_PREFETCH_SHARED = 1 << 7
+OPT_ALL = (OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE | OPT_EXPERT_EVICT_FIRST
+           | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED)
 
 
 class TaskKind(enum.IntEnum):
@@ -678,6 +687,7 @@ class TaskKind(enum.IntEnum):
     SEAM_MIX = 16
     SEAM_NORM = 17
     ROUTE_PART = 18
+    PREFETCH_SHARED = 19
 
 
 class Flag(enum.IntEnum):
@@ -741,6 +751,20 @@ class MonoOptions:
     when L2 makes room, ahead of what PREFETCH_FINAL put there for FINAL; where
     tokens share experts (S > 1) it also gives up the L2 hits of the second
     token's reads. The same table and the same sums.
+    final_split (a build-key bit, ``bits()``): a FINAL task runs its shared
+    down-projection (its K = SI/T columns: 63 % of its bytes at TP8) as soon as
+    the shared activations are written, then waits for the normed latent and
+    runs the latent up-projection: only that part (K = L/T) stays behind the
+    AR2 -> latent norm chain. The wait for the latent is the task's own
+    (Wait.in_task; a trace's FINAL run time then includes it). The same sums
+    (routed + shared, added once both are done).
+    prefetch_shared (a build-key bit, ``bits()``): PREFETCH_SHARED tasks right
+    after LATENT_DOWN in the table, each asking the copy engine for one shared
+    gate/up task's weight rows (as PREFETCH_FINAL for FINAL): taken while the
+    AR1 -> seam -> route chain leaves HBM nearly idle (the S = 1 trace: only the
+    router and latent rows, 8 MB, stream from 10 to 27 us), so the shared
+    tasks then read L2 (at S = 1 they ran 18.5 us each, a memory round trip a
+    step, through the expert phase). The same sums.
     """
 
     prefetch_final: bool = False
@@ -752,12 +776,15 @@ class MonoOptions:
     route_early: bool = False
     shared_late: bool = False
     expert_evict_first: bool = False
+    final_split: bool = False
+    prefetch_shared: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
                 | (OPT_M1C if self.m1c is not None else 0) | (OPT_ROUTE_EARLY if self.route_early else 0)
                 | (OPT_SHARED_LATE if self.shared_late else 0)
-                | (OPT_EXPERT_EVICT_FIRST if self.expert_evict_first else 0))
+                | (OPT_EXPERT_EVICT_FIRST if self.expert_evict_first else 0)
+                | (OPT_FINAL_SPLIT if self.final_split else 0) | (OPT_PREFETCH_SHARED if self.prefetch_shared else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
@@ -771,7 +798,8 @@ class MonoOptions:
             raise K3InputError(f"options: the m1c bit and the M1c shape go together, got bits {bits:#x} and {m1c}")
         return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
                    tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY),
-                   shared_late=bool(bits & OPT_SHARED_LATE), expert_evict_first=bool(bits & OPT_EXPERT_EVICT_FIRST))
+                   shared_late=bool(bits & OPT_SHARED_LATE), expert_evict_first=bool(bits & OPT_EXPERT_EVICT_FIRST),
+                   final_split=bool(bits & OPT_FINAL_SPLIT), prefetch_shared=bool(bits & OPT_PREFETCH_SHARED))
 
 
 @dataclass(frozen=True)
@@ -781,6 +809,7 @@ class Wait:
     count: int  # raises per launch that complete it (the epoch-e target is e * count)
     sources: tuple[int, ...]  # tickets of the raising tasks (the same on every rank)
     before_loads: bool = False  # the task's weight addresses depend on it (expert ids)
+    in_task: bool = False  # the task polls it itself, after a first part that does not need it (the last waits)
 
 
 @dataclass(frozen=True)
@@ -827,7 +856,7 @@ class Task:
             span=self.span,
             token=self.token,
             slot=self.slot,
-            waits=tuple((w.flag, w.index, w.count, w.before_loads) for w in self.waits),
+            waits=tuple((w.flag, w.index, w.count, w.before_loads, w.in_task) for w in self.waits),
             raised=(raised.flag, raised.index) if raised else None,
             weight_bytes=self.weight_bytes,
         )
@@ -839,7 +868,7 @@ class TaskRow(NamedTuple):
     span: tuple[int, int]
     token: int
     slot: int
-    waits: tuple  # ((flag, index, count, before_loads), ...)
+    waits: tuple  # ((flag, index, count, before_loads, in_task), ...)
     raised: tuple | None  # (flag, index)
     weight_bytes: int
 
@@ -868,6 +897,7 @@ TABLE_COLUMNS = (
     "raise_word",  # -1: raises nothing
     "raise_peer",  # 1: raise on every rank (after the push), 0: own rank
     "weight_bytes",  # bytes of weights the task streams from HBM (accounting / tracing)
+    "late_waits",  # the last late_waits waits are the task's own: polled after its first part (MonoOptions.final_split)
 )
 """Columns of ``TaskTable.as_int_tensor()`` (int32, one row a ticket). A wait is
 (flag word, count): poll word until it reaches epoch * count. Flag words index
@@ -989,6 +1019,7 @@ class TaskTable:
         row[COL["raise_word"]] = self.flag_word(raised.flag, raised.index) if raised else NO_WORD
         row[COL["raise_peer"]] = int(bool(raised and raised.every_rank))
         row[COL["weight_bytes"]] = task.weight_bytes
+        row[COL["late_waits"]] = sum(w.in_task for w in task.waits)
         return row
 
     def decode_int_tensor(self, table: torch.Tensor) -> list[TaskRow]:
@@ -999,7 +1030,8 @@ class TaskTable:
             waits = []
             for i in range(v["num_waits"]):
                 flag, index = self.flag_of_word(v[f"wait{i}_word"])
-                waits.append((flag, index, v[f"wait{i}_count"], i < v["addr_waits"]))
+                waits.append((flag, index, v[f"wait{i}_count"], i < v["addr_waits"],
+                              i >= v["num_waits"] - v["late_waits"]))
             raised = self.flag_of_word(v["raise_word"]) if v["raise_word"] != NO_WORD else None
             rows.append(
                 TaskRow(
@@ -1070,6 +1102,7 @@ _WRITES = {
     TaskKind.EXPERT_GU: lambda tb, t, r: [Write("expert_act", False, (t.token, t.slot, slice(*t.span)))],
     TaskKind.EXPERT_DOWN: lambda tb, t, r: [Write("ar2", True, (r, t.token, slice(*t.span)))],
     TaskKind.PREFETCH_FINAL: lambda tb, t, r: [],
+    TaskKind.PREFETCH_SHARED: lambda tb, t, r: [],
     TaskKind.LATENT_NORM: lambda tb, t, r: [Write("latent", False, (t.token,))],
     TaskKind.FINAL: lambda tb, t, r: [Write("ar3", True, (r, slice(None), slice(*t.span)))],
     TaskKind.REDUCE3: lambda tb, t, r: [Write("out", False, (t.token, slice(*t.span)))],
@@ -1094,6 +1127,7 @@ class _WaitSpec(NamedTuple):
     index: int
     count: int
     before_loads: bool = False
+    in_task: bool = False
 
 
 class _TaskSpec(NamedTuple):
@@ -1105,6 +1139,9 @@ class _TaskSpec(NamedTuple):
     streams: tuple
     waits: tuple
     raises: tuple
+
+
+SHARED_GU_WEIGHTS = ("shared_gate", "shared_up")
 
 
 class _Planner:
@@ -1220,15 +1257,16 @@ class _Planner:
                          streams=self._vector_slices_once(token, ["post_norm"], lo, hi),
                          waits=[_WaitSpec(Flag.MIXED, token, len(self.seam_chunks))], raises=[(Flag.X_READY, 0)])
 
-    def _x_gemv(self, kind, tile_list, names, flag, group_tokens=None):
+    def _x_gemv(self, kind, tile_list, names, flag, group_tokens=None, stream_weights=True):
         """A task per row tile and group of ``group_tokens`` tokens (all S when
         None), tile-major: a tile's groups run side by side, the first reading
-        its rows from HBM, the others from L2. ``token`` is the group's first."""
+        its rows from HBM (``stream_weights``: else a prefetch task did), the others
+        from L2. ``token`` is the group's first."""
         x_written = _WaitSpec(Flag.X_READY, 0, self.S * len(self.seam_chunks))
         firsts = range(0, self.S, group_tokens or self.S)
         for tile, lo, hi in tile_list:
             for first in firsts:
-                streams = self._rows(names, lo, hi) if first == 0 else ()
+                streams = self._rows(names, lo, hi) if first == 0 and stream_weights else ()
                 self.add(kind, tile=tile, span=(lo, hi), token=first if group_tokens else -1, streams=streams,
                          waits=[x_written], raises=[(flag, 0)])
 
@@ -1241,8 +1279,15 @@ class _Planner:
     def latent_down(self):
         self._x_gemv(TaskKind.LATENT_DOWN, self.latent_tiles, ["latent_down"], Flag.Z, self._x_group())
 
+    def prefetch_shared(self):
+        if not self.options.prefetch_shared:
+            return
+        for tile, lo, hi in self.shared_tiles:
+            self.add(TaskKind.PREFETCH_SHARED, tile=tile, span=(lo, hi), streams=self._rows(SHARED_GU_WEIGHTS, lo, hi))
+
     def shared_gate_up(self):
-        self._x_gemv(TaskKind.SHARED_GU, self.shared_tiles, ["shared_gate", "shared_up"], Flag.SHARED_READY)
+        self._x_gemv(TaskKind.SHARED_GU, self.shared_tiles, SHARED_GU_WEIGHTS, Flag.SHARED_READY,
+                     stream_weights=not self.options.prefetch_shared)  # else PREFETCH_SHARED streamed them
 
     def route_part(self):
         for token in range(self.S):
@@ -1296,10 +1341,11 @@ class _Planner:
     def final(self):
         for tile, lo, hi in self.final_tiles:
             streams = () if self.options.prefetch_final else self._rows(["latent_up", "shared_down"], lo, hi)
-            # SHARED_READY first: it completed long ago, LATENT_READY is the late one
+            # SHARED_READY first: it completes long before LATENT_READY (with
+            # final_split the task's own wait, after the shared down-projection)
             self.add(TaskKind.FINAL, tile=tile, span=(lo, hi), streams=streams,
                      waits=[_WaitSpec(Flag.SHARED_READY, 0, len(self.shared_tiles)),
-                            _WaitSpec(Flag.LATENT_READY, 0, self.S)],
+                            _WaitSpec(Flag.LATENT_READY, 0, self.S, in_task=self.options.final_split)],
                      raises=[(Flag.AR3, lo // self.reduce3_cols)])
 
     def reduce3(self):
@@ -1321,7 +1367,8 @@ class _Planner:
 
     def in_table_order(self) -> list[_TaskSpec]:
         for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_mix, self.seam_norm,
-                     self.router, self.latent_down, *self._route_shared_and_gate_up(), self.expert_down,
+                     self.router, self.latent_down, self.prefetch_shared, *self._route_shared_and_gate_up(),
+                     self.expert_down,
                      self.prefetch_final, self.latent_norm, self.final, self.reduce3):
             step()
         return self.specs
@@ -1362,7 +1409,8 @@ def _ticketed(specs: list[_TaskSpec]) -> tuple[Task, ...]:
     for ticket, spec in enumerate(specs):
         if spec.waits not in waits_of:
             waits_of[spec.waits] = tuple(
-                Wait(w.flag, w.index, w.count, sources.get((w.flag, w.index), ()), w.before_loads) for w in spec.waits
+                Wait(w.flag, w.index, w.count, sources.get((w.flag, w.index), ()), w.before_loads, w.in_task)
+                for w in spec.waits
             )
         if spec.raises not in raises_of:
             raises_of[spec.raises] = tuple(Raise(flag, index) for flag, index in spec.raises)
@@ -1371,6 +1419,10 @@ def _ticketed(specs: list[_TaskSpec]) -> tuple[Task, ...]:
                  waits_of[spec.waits], raises_of[spec.raises])
         )
     return tuple(tasks)
+
+
+IN_TASK_WAIT_KINDS = frozenset({TaskKind.FINAL})
+"""Kinds whose task function polls its in-task waits itself (kernels/mono.py)."""
 
 
 def _check_invariant(tasks: tuple[Task, ...]) -> None:
@@ -1388,6 +1440,10 @@ def _check_invariant(tasks: tuple[Task, ...]) -> None:
                 )
         if len(task.waits) > MAX_WAITS:
             raise AssertionError(f"planner: ticket {task.ticket} has {len(task.waits)} waits, at most {MAX_WAITS}")
+        in_task = [w.in_task for w in task.waits]
+        if in_task != sorted(in_task) or (any(in_task) and task.kind not in IN_TASK_WAIT_KINDS):
+            raise AssertionError(f"planner: ticket {task.ticket} ({task.kind.name}) has in-task waits {in_task}: "
+                                 f"only the last waits of {[k.name for k in IN_TASK_WAIT_KINDS]} may be")
 
 
 MONO_WARPS = 4
@@ -1523,8 +1579,9 @@ def timing_variant(table: TaskTable, how: str, kind: TaskKind) -> TaskTable:
         ticket_of[task.ticket] = len(varied)
         if task.kind != kind:
             varied.append(task)
-        elif how == "skip":
-            varied.append(replace(task, kind=TaskKind.NOP, streams=()))
+        elif how == "skip":  # a NOP polls every wait before its raise
+            waits = tuple(replace(w, in_task=False) for w in task.waits)
+            varied.append(replace(task, kind=TaskKind.NOP, streams=(), waits=waits))
         else:
             varied += [task, replace(task, raises=(Raise(Flag.DISCARD, 0),))]
     sources = {}  # remapped once per shared sources tuple

@@ -21,10 +21,11 @@ import triton
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
-                         MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_tiles, mono_key,
+                         MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_options, default_tiles, mono_key,
                          peer_regions, scratch_regions)
 from k3mono.mxfp4 import mma_order
-from k3mono.planner import (COL, MONO_WARPS, SM_REGISTERS, M1bShape, MonoOptions, TaskKind, TileChoice,
+from k3mono.kernels import mono as mono_kernels
+from k3mono.planner import (COL, MAX_WAITS, MONO_WARPS, SM_REGISTERS, M1bShape, MonoOptions, TaskKind, TileChoice,
                             expert_mma_tile)
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
@@ -282,13 +283,37 @@ def test_the_launch_options_change_no_bits():
     inputs = random_inputs(cfg, tokens, layer, seed=21)
     plain = MonoRunner(cfg, shards, tokens, layer, prefetch=0, options=MonoOptions())(**inputs)
     for options in (MonoOptions(prefetch_final=True, route_early=True),
-                    MonoOptions(shared_late=True, expert_evict_first=True)):
+                    MonoOptions(shared_late=True, expert_evict_first=True, final_split=True, prefetch_shared=True)):
         eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=options)
         kinds = [task.kind for task in eager.compiled.table.tasks]
         assert (TaskKind.PREFETCH_FINAL in kinds) == options.prefetch_final
         assert kinds.index(TaskKind.ROUTE) < kinds.index(TaskKind.SHARED_GU)
         assert (kinds.index(TaskKind.EXPERT_GU) < kinds.index(TaskKind.SHARED_GU)) == options.shared_late
+        assert (TaskKind.PREFETCH_SHARED in kinds) == options.prefetch_shared
         assert same_bits(plain, eager(**inputs))
+
+
+def test_final_split_in_loopback_changes_no_bits():
+    """MonoOptions.final_split at T = 2 (loopback) and S = 3: FINAL's shared
+    down-projection before its own wait for the latent, the same sums."""
+    cfg, tp, tokens, layer = preset("tiny"), 2, 3, 13
+    shards = shard_all(layer_weights(), cfg, tp)
+    inputs = random_inputs(cfg, tokens, layer, seed=23)
+    plain = MonoRunner(cfg, shards, tokens, layer)(**inputs)
+    split = MonoRunner(cfg, shards, tokens, layer, options=default_options(tokens, final_split=True))
+    assert split.compiled.rows[:, COL["late_waits"]].sum() == cfg.hidden_size // split.compiled.table.geometry.final.rows
+    assert same_bits(plain, split(**inputs))
+
+
+def test_the_kernels_table_columns_and_kind_codes_are_the_planners():
+    for name, column in (("C_KIND", "kind"), ("C_TILE", "tile"), ("C_START", "start"), ("C_STOP", "stop"),
+                         ("C_TOKEN", "token"), ("C_SLOT", "slot"), ("C_NWAITS", "num_waits"),
+                         ("C_NADDR", "addr_waits"), ("C_WAIT0", "wait0_word"), ("C_RAISE", "raise_word"),
+                         ("C_RAISE_PEER", "raise_peer"), ("C_LATE", "late_waits")):
+        assert getattr(mono_kernels, name).value == COL[column], name
+    assert mono_kernels.MAX_WAITS.value == MAX_WAITS
+    for kind in TaskKind:
+        assert getattr(mono_kernels, f"K_{kind.name}").value == kind.value, kind.name
 
 
 def test_an_unknown_prefetch_mode_is_refused_before_any_build():

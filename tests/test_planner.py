@@ -6,10 +6,12 @@ from __future__ import annotations
 import heapq
 import random
 from collections import Counter, defaultdict
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
 import pytest
+import torch
 
 from k3mono.cli import main
 from k3mono.config import preset
@@ -21,6 +23,7 @@ from k3mono.planner import (
     COL,
     MAX_WAITS,
     OPT_ALL,
+    OPT_FINAL_SPLIT,
     PEER_FLAGS,
     TABLE_COLUMNS,
     Flag,
@@ -29,7 +32,9 @@ from k3mono.planner import (
     MonoOptions,
     Raise,
     TaskKind,
+    _check_invariant,
     plan,
+    timing_variant,
     TileChoice,
     stage_geometry,
     tiles,
@@ -82,11 +87,12 @@ def m1c_shape(name: str, tp: int, tokens: int) -> M1cShape:
 
 @lru_cache(maxsize=None)
 def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False, mla: str | None = None,
-              route_early: bool = False, shared_late: bool = False):
+              route_early: bool = False, shared_late: bool = False, prefetch_shared: bool = False):
     m1b = m1b_shape(name, tp) if mla in ("m1b", "m1c") else None
     m1c = m1c_shape(name, tp, tokens) if mla == "m1c" else None
     options = MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c, route_early=route_early,
-                          shared_late=shared_late, tiles=TileChoice(x_token_groups=mla == "x_groups"))
+                          shared_late=shared_late, tiles=TileChoice(x_token_groups=mla == "x_groups"),
+                          prefetch_shared=prefetch_shared)
     return plan(preset(name), tp, tokens, sms, options)
 
 
@@ -148,13 +154,16 @@ def test_flag_words_are_distinct_and_in_range(name, tp, tokens, mla):
 
 
 @pytest.mark.parametrize("prefetch,route_early,shared_late",
-                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)])
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True),
+                          (True, False, True)])
 def test_kinds_come_in_the_documented_order(prefetch, route_early, shared_late):
-    table = table_for("kimi-k3", 8, 4, prefetch_final=prefetch, route_early=route_early, shared_late=shared_late)
+    table = table_for("kimi-k3", 8, 4, prefetch_final=prefetch, route_early=route_early, shared_late=shared_late,
+                      prefetch_shared=prefetch)
     kinds = [group.kind for group in table.groups()]
     expected = list(KIND_ORDER)
     if prefetch:
         expected.insert(expected.index(TaskKind.LATENT_NORM), TaskKind.PREFETCH_FINAL)
+        expected.insert(expected.index(TaskKind.LATENT_DOWN) + 1, TaskKind.PREFETCH_SHARED)
     if route_early or shared_late:
         expected.remove(TaskKind.SHARED_GU)
         after = TaskKind.EXPERT_GU if shared_late else TaskKind.ROUTE
@@ -271,6 +280,41 @@ def test_expert_tasks_load_after_the_routes_and_wait_for_data_after_loading():
             assert not any(w.before_loads for w in task.waits)
 
 
+@pytest.mark.parametrize("name,tp,tokens", [("kimi-k3", 8, 1), ("kimi-k3", 8, 16), ("tiny", 2, 3)])
+def test_final_split_makes_the_latent_wait_the_final_tasks_own(name, tp, tokens):
+    """MonoOptions.final_split: every FINAL task polls SHARED_READY before it
+    runs and LATENT_READY itself (after its shared down-projection): the int
+    table's late_waits says so, and nothing else changes."""
+    cfg = preset(name)
+    plain, split = plan(cfg, tp, tokens, 132), plan(cfg, tp, tokens, 132, MonoOptions(final_split=True))
+    assert split.options.bits() & OPT_FINAL_SPLIT and MonoOptions.from_bits(split.options.bits()).final_split
+    for a, b in zip(plain.tasks, split.tasks, strict=True):
+        if b.kind == TaskKind.FINAL:
+            assert [(w.flag, w.in_task) for w in b.waits] == [(Flag.SHARED_READY, False), (Flag.LATENT_READY, True)]
+            assert [replace(w, in_task=False) for w in b.waits] == list(a.waits)
+        else:
+            assert a == b
+    rows, late = split.as_int_tensor(), COL["late_waits"]
+    finals = torch.tensor([t.kind == TaskKind.FINAL for t in split.tasks])
+    assert (rows[finals, late] == 1).all() and (rows[~finals, late] == 0).all()
+    assert (plain.as_int_tensor()[:, late] == 0).all()
+    assert split.decode_int_tensor(rows) == [t.row() for t in split.tasks]
+    skipped = timing_variant(split, "skip", TaskKind.FINAL)  # a NOP polls every wait before its raise
+    assert not any(w.in_task for t in skipped.tasks for w in t.waits)
+
+
+def test_an_in_task_wait_is_refused_where_no_task_polls_it():
+    table = plan(preset("tiny"), 1, 1, 1, MonoOptions(final_split=True))
+    final = next(t for t in table.tasks if t.kind == TaskKind.FINAL)
+    early_late = replace(final, waits=(replace(final.waits[0], in_task=True), replace(final.waits[1], in_task=False)))
+    router = next(t for t in table.tasks if t.kind == TaskKind.ROUTER)
+    on_router = replace(router, waits=tuple(replace(w, in_task=True) for w in router.waits))
+    for bad in (early_late, on_router):
+        tasks = tuple(bad if t.ticket == bad.ticket else t for t in table.tasks)
+        with pytest.raises(AssertionError, match="in-task waits"):
+            _check_invariant(tasks)
+
+
 # -- coverage ------------------------------------------------------------------------
 
 
@@ -291,7 +335,7 @@ def coverage_arrays(table):
 def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, mla, prefetch):
     """On each rank: its own writes to local regions, and every rank's pushes
     into its peer regions (the same for every receiving rank)."""
-    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla)
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla, prefetch_shared=prefetch)
     local = coverage_arrays(table)  # any one rank: the table is the same on all
     peer = coverage_arrays(table)  # what lands in a rank's peer regions, from all ranks
     for rank in range(tp):
@@ -316,13 +360,24 @@ def test_every_output_element_is_written_by_exactly_one_task(name, tp, tokens, m
 @pytest.mark.parametrize("name,tp,tokens,mla", TABLES)
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_streamed_weight_bytes_equal_the_floor(name, tp, tokens, mla, prefetch):
-    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla)
+    table = table_for(name, tp, tokens, prefetch_final=prefetch, mla=mla, prefetch_shared=prefetch)
     cfg = preset(name)
     floor = floor_bytes(cfg, tp, tokens, unique_experts=tokens * cfg.num_experts_per_token, m1b=table.options.m1b,
                         m1c=table.options.m1c, context=100)
     summary = table.summary()
     assert summary.weights_by_tensor == floor["weights"]
     assert summary.weight_bytes == floor["weight_bytes"]
+
+
+def test_prefetch_shared_moves_the_shared_weights_into_tasks_right_after_the_latent_down():
+    plain, prefetched = table_for("kimi-k3", 8, 1), table_for("kimi-k3", 8, 1, prefetch_shared=True)
+    kinds = [t.kind for t in prefetched.tasks]
+    fetch = [t for t in prefetched.tasks if t.kind == TaskKind.PREFETCH_SHARED]
+    shared = [t for t in prefetched.tasks if t.kind == TaskKind.SHARED_GU]
+    assert kinds.index(TaskKind.PREFETCH_SHARED) == len(kinds) - kinds[::-1].index(TaskKind.LATENT_DOWN)
+    assert all(not t.waits and not t.raises for t in fetch) and all(t.weight_bytes == 0 for t in shared)
+    assert [t.span for t in fetch] == [t.span for t in shared]
+    assert sum(t.weight_bytes for t in fetch) == sum(t.weight_bytes for t in plain.tasks if t.kind == TaskKind.SHARED_GU)
 
 
 def test_prefetch_moves_final_weights_into_the_prefetch_tasks():

@@ -20,6 +20,50 @@ from .gemv import check_rows_contiguous, even_k, gemv_tile, num_tasks, store_row
 
 
 @triton.jit
+def final_routed_part(
+    task,
+    latent_ptr,  # [S, L/T] bf16: the rank's column slice of latent [S, L]
+    stride_ls,
+    up_ptr,  # [H, L/T] bf16
+    stride_un,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    K_LATENT: tl.constexpr,  # L/T
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K_LATENT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[SP, ROWS] fp32: rows task*ROWS .. of latent_r @ latent_up_r.T."""
+    return gemv_tile(latent_ptr, stride_ls, up_ptr, stride_un, task * ROWS, S, H, K_LATENT, SP, ROWS, BLOCK_K, USE_DOT,
+                     EVEN_K_LATENT, UPCAST)
+
+
+@triton.jit
+def final_shared_part(
+    task,
+    act_ptr,  # [S, SI/T] bf16
+    stride_as,
+    down_ptr,  # [H, SI/T] bf16
+    stride_dn,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    K_SHARED: tl.constexpr,  # SI/T
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K_SHARED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[SP, ROWS] fp32: rows task*ROWS .. of shared_act @ shared_down_r.T."""
+    return gemv_tile(act_ptr, stride_as, down_ptr, stride_dn, task * ROWS, S, H, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT,
+                     EVEN_K_SHARED, UPCAST)
+
+
+@triton.jit
 def final_task(
     task,
     latent_ptr,  # [S, L/T] bf16: the rank's column slice of latent [S, L]
@@ -42,14 +86,12 @@ def final_task(
     EVEN_K_SHARED: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """[SP, ROWS] fp32: rows task*ROWS .. of the partial."""
-    row0 = task * ROWS
-    routed = gemv_tile(
-        latent_ptr, stride_ls, up_ptr, stride_un, row0, S, H, K_LATENT, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K_LATENT, UPCAST
-    )
-    shared = gemv_tile(
-        act_ptr, stride_as, down_ptr, stride_dn, row0, S, H, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K_SHARED, UPCAST
-    )
+    """[SP, ROWS] fp32: rows task*ROWS .. of the partial (the two parts, each
+    complete, added: the mono launch may run them apart, with the same sum)."""
+    routed = final_routed_part(task, latent_ptr, stride_ls, up_ptr, stride_un, S, H, K_LATENT, SP, ROWS, BLOCK_K,
+                               USE_DOT, EVEN_K_LATENT, UPCAST)
+    shared = final_shared_part(task, act_ptr, stride_as, down_ptr, stride_dn, S, H, K_SHARED, SP, ROWS, BLOCK_K,
+                               USE_DOT, EVEN_K_SHARED, UPCAST)
     return routed + shared
 
 

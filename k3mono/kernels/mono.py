@@ -67,7 +67,7 @@ import triton.language as tl
 from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query
 from .common import INTERPRET, as_f32, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
-from .final import final_task
+from .final import final_routed_part, final_shared_part
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
 from .gemv import group_window, store_rows_from
@@ -103,6 +103,7 @@ K_M1C = tl.constexpr(15)
 K_SEAM_MIX = tl.constexpr(16)
 K_SEAM_NORM = tl.constexpr(17)
 K_ROUTE_PART = tl.constexpr(18)
+K_PREFETCH_SHARED = tl.constexpr(19)
 
 # int table columns (planner.TABLE_COLUMNS)
 C_KIND = tl.constexpr(0)
@@ -116,6 +117,7 @@ C_NADDR = tl.constexpr(7)
 C_WAIT0 = tl.constexpr(8)  # word, count pairs from here
 C_RAISE = tl.constexpr(12)
 C_RAISE_PEER = tl.constexpr(13)
+C_LATE = tl.constexpr(15)
 MAX_WAITS = tl.constexpr(2)
 TRACE_WORDS = tl.constexpr(4)  # a traced ticket's row: SM, taken, ready, done
 
@@ -313,30 +315,27 @@ def latent_down_push_task(
 @triton.jit
 def final_push_task(
     tile,
+    shared,  # fp32 [SP, F_ROWS]: the tile's shared down-projection (final_shared_part), run before
     lat_ptr,  # bf16 [S, L/T]: this rank's columns of the normed latent
     w_up_ptr,  # bf16 [H, L/T]
-    sact_ptr,  # bf16 [S, SI/T]
-    w_sd_ptr,  # bf16 [H, SI/T]
     peer_table_ptr,  # int64 [NP]
     slot,  # fp32 AR3 [S, H] of this rank
     word,
     S: tl.constexpr,
     H: tl.constexpr,
     L_R: tl.constexpr,
-    SI_R: tl.constexpr,
     SP: tl.constexpr,
     F_ROWS: tl.constexpr,
     F_BK: tl.constexpr,
     USE_DOT: tl.constexpr,
     F_EVEN_L: tl.constexpr,
-    F_EVEN_S: tl.constexpr,
     UPCAST: tl.constexpr,
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
-    acc = final_task(tile, lat_ptr, L_R, w_up_ptr, L_R, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, L_R, SI_R, SP, F_ROWS,
-                     F_BK, USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST)
-    _push_rows(peer_table_ptr, slot, H, acc, tile * F_ROWS, S, H, SP, F_ROWS, NP, tl.float32)
+    """The latent up-projection's rows, plus ``shared`` (final_task's sum), pushed."""
+    acc = final_routed_part(tile, lat_ptr, L_R, w_up_ptr, L_R, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST)
+    _push_rows(peer_table_ptr, slot, H, acc + shared, tile * F_ROWS, S, H, SP, F_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
@@ -444,6 +443,19 @@ def _wait_word(
     count = tl.load(row_ptr + C_WAIT0 + 2 * i + 1)
     return wait_counter(flags_ptr + word, epoch * count, limit, health_ptr, rank, layer, ticket, word, epoch, SCOPE,
                         SLEEP_NS)
+
+
+@triton.jit
+def _poll_waits(
+    lo,  # the first wait of the row to poll
+    hi,  # one past the last
+    row_ptr, ok, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE: tl.constexpr, SLEEP_NS: tl.constexpr,
+):
+    """Waits lo .. hi - 1 of the row, in order, while all met so far: the new ok."""
+    for i in tl.static_range(MAX_WAITS):
+        if (i >= lo) & (i < hi) & (ok != 0):
+            ok = ok & _wait_word(i, row_ptr, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
+    return ok
 
 
 @triton.jit
@@ -682,14 +694,13 @@ def _mono_kernel(
         nwaits = tl.load(row + C_NWAITS)
         naddr = tl.load(row + C_NADDR)
         rword = tl.load(row + C_RAISE)
+        early = nwaits - tl.load(row + C_LATE)  # the waits polled before the task runs
         ok = (nwaits >= 0).to(tl.int32)
         if TRACE:
             taken = _global_ns()
 
         # (1) the waits that gate weight addresses
-        for i in tl.static_range(MAX_WAITS):
-            if (i < naddr) & (ok != 0):
-                ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
+        ok = _poll_waits(0, naddr, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
 
         # (2) weights before waits
         if PREFETCH > 0:
@@ -725,10 +736,9 @@ def _mono_kernel(
                         _prefetch_rows(_bytes(w2_ptr) + ex * (L * I_R // 2), start, stop, L, I_R // 2)
                         _prefetch_rows(w2s_ptr + ex * (L * I_R // GROUP), start, stop, L, I_R // GROUP)
 
-        # (3) the other waits, in table order
-        for i in tl.static_range(MAX_WAITS):
-            if (i >= naddr) & (i < nwaits) & (ok != 0):
-                ok = ok & _wait_word(i, row, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
+        # (3) the other waits, in table order, but for the task's own (C_LATE: FINAL polls them itself)
+        ok = _poll_waits(naddr, early, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE,
+                         SLEEP_NS)
 
         # (4) the task; the next ticket now, its atomic's latency hidden behind the task
         if TRACE:
@@ -803,13 +813,21 @@ def _mono_kernel(
             elif kind == K_PREFETCH_FINAL:
                 _prefetch_rows(w_up_ptr, start, stop, H, L_R)
                 _prefetch_rows(w_sd_ptr, start, stop, H, SI_R)
+            elif kind == K_PREFETCH_SHARED:
+                _prefetch_rows(w_sg_ptr, start, stop, SI_R, H)
+                _prefetch_rows(w_su_ptr, start, stop, SI_R, H)
             elif kind == K_LATENT_NORM:
                 latent_norm_task(token, rank, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L_R, T, L, L_R, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
-                final_push_task(tile, lat_ptr, w_up_ptr, sact_ptr, w_sd_ptr, peer_table_ptr,
-                                pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L_R, SI_R, SP, F_ROWS, F_BK,
-                                USE_DOT, F_EVEN_L, F_EVEN_S, UPCAST, NP, SCOPE)
+                # the shared down-projection first: with final_split the latent's wait is still open
+                shared = final_shared_part(tile, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, SI_R, SP, F_ROWS, F_BK, USE_DOT,
+                                           F_EVEN_S, UPCAST)
+                ok = _poll_waits(early, nwaits, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket,
+                                 SCOPE, SLEEP_NS)
+                if ok != 0:
+                    final_push_task(tile, shared, lat_ptr, w_up_ptr, peer_table_ptr, pf + AR3_F + rank * (S * H),
+                                    FLAG_I + rword, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
                 reduce3_task(token, start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
             elif kind == K_NOP:
