@@ -40,6 +40,14 @@ PLAN_TILE_KNOBS = {
 measured default for the S asked (mono.default_options), as are --ctas-per-sm and
 --prefetch-final, so the table printed is the one ``run --impl mono`` launches."""
 
+PLAN_OPTION_SWITCHES = {
+    "final_split": "FINAL's shared down-projection before its own wait for the latent",
+    "prefetch_shared": "L2-prefetch the shared gate/up weights right after the latent down tasks",
+    "x_token_groups": "S > 4: the router and latent down tasks by groups of 4 tokens (a TileChoice field)",
+}
+"""MonoOptions (and TileChoice) switches ``plan`` takes as --NAME / --no-NAME (left out:
+the default, as above)."""
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3mono", description=__doc__.splitlines()[0])
@@ -85,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--prefetch-final", action=argparse.BooleanOptionalAction, default=None,
                       help="L2-prefetch FINAL's weights after the experts")
     plan.add_argument("--ctas-per-sm", type=int, default=None, help="resident CTAs an SM is given")
+    for name, what in PLAN_OPTION_SWITCHES.items():
+        plan.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None, help=what)
     for name, what in PLAN_TILE_KNOBS.items():
         plan.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=what)
     plan.add_argument("--m1b-splits", type=int, default=None,
@@ -247,8 +257,10 @@ def cmd_plan(args) -> int:
 
     cfg = preset(args.preset)
     m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
-    given_tiles = {name: getattr(args, name) for name in PLAN_TILE_KNOBS if getattr(args, name) is not None}
-    given = {name: getattr(args, name) for name in ("prefetch_final", "ctas_per_sm") if getattr(args, name) is not None}
+    tile_names = (*PLAN_TILE_KNOBS, "x_token_groups")
+    given_tiles = {name: getattr(args, name) for name in tile_names if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in ("prefetch_final", "ctas_per_sm", "final_split", "prefetch_shared")
+             if getattr(args, name) is not None}
     options = default_options(args.tokens, m1b=m1b, **given)
     options = dataclasses.replace(options, tiles=dataclasses.replace(options.tiles, **given_tiles))
     table = plan(cfg, args.tp, args.tokens, args.sms, options)

@@ -676,6 +676,11 @@ def test_cli_plan_options_and_presets(capsys):
                  "--down-rows", "8"]) == 0
     out = capsys.readouterr().out
     assert "PREFETCH_FINAL" not in out and "down_rows=8" in out
+    assert main(["plan", "--tokens", "6", "--tp", "2", "--sms", "7", "--preset", "tiny", "--final-split",
+                 "--prefetch-shared", "--x-token-groups"]) == 0
+    out = capsys.readouterr().out
+    assert "PREFETCH_SHARED" in out and "LATENT_READY[0]>=6(in task)" in out and "x_token_groups=True" in out
+    assert "ROUTER" in out and "tok 0..4" in out
 
 
 @pytest.mark.parametrize(
