@@ -14,63 +14,35 @@ A bool field takes 0 / 1. Prints a line a run and a table last (us, a column a v
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
 from k3mono.bench import WEIGHT_SETS, time_mono
 from k3mono.config import preset
-from k3mono.mono import default_options, default_tiles
-from k3mono.planner import MonoOptions, TileChoice
+from k3mono.mono import default_options_with, parse_option_fields
 from k3mono.synthetic import random_shard
-
-
-OPTION_FIELDS = ("prefetch_final", "prefetch_shared", "route_early", "shared_late", "expert_evict_first", "final_split",
-                 "poll_sleep_ns", "ctas_per_sm")
-"""The MonoOptions fields an A/B may set (the others are shapes or tiles)."""
-
-
-def options_with(tokens: int, fields: dict) -> MonoOptions:
-    """default_options(S) with ``fields`` (TileChoice or OPTION_FIELDS names: int values) set."""
-    tile_types = {field.name: type(field.default) for field in dataclasses.fields(TileChoice)}
-    defaults = default_options(tokens)
-    tiles, options = {}, {}
-    for name, value in fields.items():
-        if name in tile_types:
-            tiles[name] = tile_types[name](value)
-        elif name in OPTION_FIELDS:
-            options[name] = type(getattr(defaults, name))(value)
-        else:
-            raise SystemExit(f"neither a TileChoice field nor one of {OPTION_FIELDS}: {name!r}")
-    return default_options(tokens, tiles=default_tiles(tokens, **tiles), **options)
-
-
-def parse_also(items: list[str]) -> dict:
-    """NAME=VALUE pairs -> {name: int value}."""
-    pairs = [item.partition("=") for item in items]
-    if any(not sep or not value.lstrip("-").isdigit() for _, sep, value in pairs):
-        raise SystemExit(f"--also: expected NAME=INTEGER pairs, got {items}")
-    return {name: int(value) for name, _, value in pairs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--field", required=True, help="a TileChoice field")
+    parser.add_argument("--field", required=True, help="a TileChoice field or one of mono.OPTION_FIELDS")
     parser.add_argument("--values", type=int, nargs="+", required=True)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--also", nargs="*", default=[], help="NAME=VALUE: more fields, fixed")
     args = parser.parse_args()
-    also = parse_also(args.also)
+    also = parse_option_fields(args.also)
+    # every choice checked before the GPU is touched
+    options = {(tokens, value): default_options_with(tokens, {**also, args.field: value})
+               for tokens in args.tokens for value in args.values}
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     times: dict = {}
     for round_ in range(args.rounds):
         for tokens in args.tokens:
             for value in args.values:
-                options = options_with(tokens, {**also, args.field: value})
-                seconds = time_mono(cfg, args.tp, tokens, sets, options=options)
+                seconds = time_mono(cfg, args.tp, tokens, sets, options=options[(tokens, value)])
                 times.setdefault((tokens, value), []).append(seconds * 1e6)
                 print(f"round {round_} T={args.tp} S={tokens:>2} {args.field}={value}: {seconds * 1e6:8.1f} us",
                       flush=True)

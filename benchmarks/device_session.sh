@@ -28,7 +28,8 @@
 # in f16 timed (staged stages, mono off / on) and checked; ctas_f16: 3 and 4 CTAs a SM with f16 sums (mono);
 # lookahead_many: the expert lookahead at 3 CTAs a SM (S = 16); trace16: the S = 16 trace beside the staged stages;
 # x_groups: the router and latent down by groups of tokens, timed and checked; final_split: FINAL's shared part
-# before its wait for the latent and the shared weights prefetched early, timed and checked; expert_mma: the expert
+# before its wait for the latent and the shared weights prefetched early, timed (final_split_check: checked, and
+# the S = 1 trace); expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -187,21 +188,28 @@ for s in $STEPS; do
         step lookahead_s16 120 $MONO_SWEEP --tokens 16 --ctas 3 --prefetch 0 --prefetch-final 1 --expert-f16 1 \
             --expert-lookahead 1 0 ;;
     x_groups)  # the router and latent down by groups of 4 tokens (TileChoice.x_token_groups): timed against the
-        # defaults at S = 16 and 8, then checked (loopback T = 8, S = 16 and 6: the last group shifted back)
-        step x_groups_ab 330 python3 benchmarks/defaults_ab.py --field x_token_groups --values 0 1 --tokens 16 8
-        step x_groups_check 200 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 16 6 \
+        # defaults at S = 16 and 8 (and latent rows 8 / 4 with them), then checked (loopback T = 8, S = 16 and 6:
+        # the last group shifted back)
+        step x_groups_ab 280 python3 benchmarks/defaults_ab.py --field x_token_groups --values 0 1 --tokens 16 8
+        step x_groups_latent_rows 120 python3 benchmarks/defaults_ab.py --field latent_rows --values 8 4 --tokens 16 \
+            --also x_token_groups=1
+        step x_groups_check 160 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 16 6 \
             --x-token-groups 1 --grids --occupy-sms 0 --layers-tokens ;;
     final_split)  # FINAL's shared down-projection before its own wait for the latent (MonoOptions.final_split),
         # and the shared weights into L2 while the chain settles (prefetch_shared): timed against the defaults at
-        # S = 1 (shared tasks late, the default, and early), 8 and 16, then checked
-        step final_split_s1 150 python3 benchmarks/defaults_ab.py --field final_split --values 0 1 --tokens 1
-        step prefetch_shared_s1 120 python3 benchmarks/defaults_ab.py --field prefetch_shared --values 0 1 --tokens 1 \
+        # S = 1 (shared tasks late, the default, and early), 8 and 16
+        step final_split_s1 130 python3 benchmarks/defaults_ab.py --field final_split --values 0 1 --tokens 1
+        step prefetch_shared_s1 110 python3 benchmarks/defaults_ab.py --field prefetch_shared --values 0 1 --tokens 1 \
             --also final_split=1
-        step prefetch_shared_s1_early 120 python3 benchmarks/defaults_ab.py --field prefetch_shared --values 0 1 \
+        step prefetch_shared_s1_early 100 python3 benchmarks/defaults_ab.py --field prefetch_shared --values 0 1 \
             --tokens 1 --also final_split=1 shared_late=0
-        step final_split_s816 200 python3 benchmarks/defaults_ab.py --field final_split --values 0 1 --tokens 8 16
-        step final_split_check 200 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 16 \
-            --final-split 1 --prefetch-shared 1 --grids 132 1 --occupy-sms 0 --layers-tokens ;;
+        step final_split_s816 220 python3 benchmarks/defaults_ab.py --field final_split --values 0 1 --tokens 8 16 ;;
+    final_split_check)  # both on: checked (T = 1 and loopback T = 8, S = 1 and 16, grids of 132 and 1 CTAs), and
+        # the S = 1 trace beside the defaults'
+        step final_split_check 300 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 16 \
+            --final-split 1 --prefetch-shared 1 --grids 132 1 --occupy-sms 0 --layers-tokens
+        step final_split_trace 200 python3 benchmarks/mono_trace.py --tokens 1 --set final_split=1 prefetch_shared=1 \
+            --out "$RESULTS" ;;
     tiles)  # gate/up and down task rows (TileChoice.gate_up_rows, down_rows), mono only, S = 1, 2 and 8
         step mono_tiles_s1 200 python3 benchmarks/mono_sweep.py --tokens 1 --ctas 2 --prefetch 0 --expert-lookahead 1 \
             --oproj-rows 32 --final-rows 32 --gate-up-rows 32 16 8 --down-rows 32 16 8 --skip-staged

@@ -5,6 +5,7 @@ CUDA-graph time (what recording costs).
 
     python benchmarks/mono_trace.py [--tokens 1 8] [--poll-sleep-ns 0 200] [--double ROUTE ...] [--m1b]
                                     [--m1b-rows 16 32 64] [--prefetch 0 1] [--bucket-us 15] [--out DIR]
+                                    [--set final_split=1 prefetch_shared=1 ...]
     python benchmarks/mono_trace.py --from-json results/mono-trace-S16-sleep0.json [--bucket-us 15]
 
 The traced launch runs after launches on the other rotated weight sets, as
@@ -15,7 +16,8 @@ beside the first's tells what a task pays for being the first of its kind
 (code and data not yet cached on its SM). ``--m1b`` traces an MLA layer's
 launch with M1b folded in (bench_mla.fold_shape) instead of the plain one,
 at each ``--m1b-rows`` (TileChoice.m1b_rows); ``--prefetch`` the launch at
-each of MonoRunner's prefetch modes. ``--bucket-us`` adds the timeline
+each of MonoRunner's prefetch modes; ``--set`` fields of the defaults
+(mono.default_options_with: TileChoice fields or mono.OPTION_FIELDS). ``--bucket-us`` adds the timeline
 (k3mono.trace.timeline: per bucket, the CTAs running and waiting in each
 kind); ``--from-json`` prints the summary and timeline of traces this
 script saved (``--out``), no GPU needed.
@@ -35,7 +37,7 @@ import torch
 from k3mono.bench import BENCH_LAYER, WEIGHT_SETS, mono_runners, time_mono
 from k3mono.bench_mla import fold_shape, m1b_runners, time_mono_m1b
 from k3mono.config import preset
-from k3mono.mono import DEFAULT_PREFETCH, default_options, default_tiles
+from k3mono.mono import DEFAULT_PREFETCH, default_options_with, parse_option_fields
 from k3mono.planner import BACK_BLOCK_DV, TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
@@ -96,10 +98,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="directory for mono-trace-S<tokens>-sleep<ns>[-m1b].json")
     parser.add_argument("--bucket-us", type=float, default=15.0, help="the timeline's bucket width (0: none)")
     parser.add_argument("--from-json", nargs="+", default=[], help="saved traces to print instead of running")
+    parser.add_argument("--set", nargs="*", default=[], help="NAME=VALUE: fields of the defaults")
     args = parser.parse_args()
     if args.from_json:
         print(*(saved_text(path, args.bucket_us or 15.0) for path in args.from_json), sep="\n\n")
         return
+    given = parse_option_fields(args.set)
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
     m1b_rows = args.m1b_rows if args.m1b else [BACK_BLOCK_DV]
@@ -109,8 +113,9 @@ def main() -> None:
     else:
         runners_of, time_of = mono_runners, time_mono
     for tokens, sleep_ns, prefetch, rows in itertools.product(args.tokens, args.poll_sleep_ns, args.prefetch, m1b_rows):
-        options = default_options(tokens, poll_sleep_ns=sleep_ns, m1b=fold_shape() if args.m1b else None,
-                                  tiles=default_tiles(tokens, m1b_rows=rows))
+        options = dataclasses.replace(
+            default_options_with(tokens, {**given, "poll_sleep_ns": sleep_ns, "m1b_rows": rows}),
+            m1b=fold_shape() if args.m1b else None)
         runners = runners_of(cfg, args.tp, tokens, sets, options=options, trace=True, prefetch=prefetch)
         ranks = [runner.rank_states[0] for runner in runners]
         launch_us, spans = traced_launch(ranks)
@@ -121,13 +126,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         plain = time_of(cfg, args.tp, tokens, sets, options=options, prefetch=prefetch)
         folded = f" M1b folded, {rows} value rows a task," if args.m1b else ""
-        what = f"T={args.tp} S={tokens}{folded} prefetch {prefetch} poll sleep {sleep_ns} ns"
+        what = f"T={args.tp} S={tokens}{folded} prefetch {prefetch} poll sleep {sleep_ns} ns {' '.join(args.set)}"
         shown = [format_timeline(timeline(tickets, args.bucket_us))] if args.bucket_us else []
         print(f"{what}: traced launch {traced * 1e6:.1f} us, plain {plain * 1e6:.1f} us (CUDA-graph replay)\n"
               f"{format_summary(launch_us, spans)}", *doubled, *shown, sep="\n", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, m1b=args.m1b, m1b_rows=rows,
+            record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, m1b=args.m1b, m1b_rows=rows, given=given,
                           prefetch=prefetch, traced_us=traced * 1e6, plain_us=plain * 1e6, launch_span_us=launch_us,
                           kinds=[dataclasses.asdict(s) for s in spans],
                           tickets_fields=["kind", "sm", "taken_us", "ready_us", "done_us"], tickets=tickets)
@@ -136,6 +141,7 @@ def main() -> None:
                 name += f"-prefetch{prefetch}"
             if rows != BACK_BLOCK_DV:
                 name += f"-rows{rows}"
+            name += "".join(f"-{field}{value}" for field, value in given.items())
             with open(os.path.join(args.out, f"{name}.json"), "w") as f:
                 json.dump(record, f, indent=1)
 

@@ -260,6 +260,35 @@ def default_options(tokens: int, **choices) -> MonoOptions:
     return MonoOptions(**{**fields, **choices})
 
 
+OPTION_FIELDS = ("prefetch_final", "prefetch_shared", "route_early", "shared_late", "expert_evict_first", "final_split",
+                 "poll_sleep_ns", "ctas_per_sm")
+"""The MonoOptions fields ``default_options_with`` sets (the others are shapes or tiles)."""
+
+
+def default_options_with(tokens: int, fields: dict[str, int]) -> MonoOptions:
+    """default_options(S) with ``fields`` set: TileChoice fields or OPTION_FIELDS,
+    by name, each an int (0 / 1 for a bool), as the benchmarks' command lines give them."""
+    tile_types = {field.name: type(field.default) for field in dataclasses.fields(TileChoice)}
+    defaults = default_options(tokens)
+    tiles, options = {}, {}
+    for name, value in fields.items():
+        if name in tile_types:
+            tiles[name] = tile_types[name](value)
+        elif name in OPTION_FIELDS:
+            options[name] = type(getattr(defaults, name))(value)
+        else:
+            raise K3InputError(f"options: {name!r} is neither a TileChoice field nor one of {OPTION_FIELDS}")
+    return default_options(tokens, tiles=default_tiles(tokens, **tiles), **options)
+
+
+def parse_option_fields(items: list[str]) -> dict[str, int]:
+    """NAME=INTEGER pairs (a command line's) -> {name: value}, for default_options_with."""
+    pairs = [item.partition("=") for item in items]
+    if any(not name.isidentifier() or not sep or not value.lstrip("-").isdigit() for name, sep, value in pairs):
+        raise K3InputError(f"options: expected NAME=INTEGER pairs, got {items}")
+    return {name: int(value) for name, _, value in pairs}
+
+
 @dataclass(frozen=True)
 class MonoBuild:
     cfg: K3Config

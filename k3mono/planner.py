@@ -218,8 +218,8 @@ X_TOKEN_GROUPS = False
 """Above FMA_MAX_TOKENS tokens, the router and the latent down-projection (the
 two GEMVs of x that gate the experts) on the FMA path by groups of
 FMA_MAX_TOKENS tokens (TileChoice.x_token_groups): a task per (row tile, group),
-the group's tasks of a tile reading its weight rows once from HBM and again
-from L2. On the tl.dot path a task needs 16 rows: at S = 16 and TP8 the router
+a tile's first group reading its weight rows from HBM, the others from L2. On
+the tl.dot path a task needs 16 rows: at S = 16 and TP8 the router
 is 7 tasks of 229 KB, 20.6 us each, and the latent down-projection 28 such tasks,
 alone on the latency chain from x to the experts while some 300 CTAs wait (the
 trace at 292242e, an H100, docs/PERF.md). By groups the router is 56 row tiles

@@ -21,7 +21,8 @@ import triton
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
-                         MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_options, default_tiles, mono_key,
+                         MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_options, default_options_with,
+                         default_tiles, mono_key, parse_option_fields,
                          peer_regions, scratch_regions)
 from k3mono.mxfp4 import mma_order
 from k3mono.kernels import mono as mono_kernels
@@ -303,6 +304,24 @@ def test_final_split_in_loopback_changes_no_bits():
     split = MonoRunner(cfg, shards, tokens, layer, options=default_options(tokens, final_split=True))
     assert split.compiled.rows[:, COL["late_waits"]].sum() == cfg.hidden_size // split.compiled.table.geometry.final.rows
     assert same_bits(plain, split(**inputs))
+
+
+def test_default_options_with_sets_tile_and_option_fields_from_command_line_pairs():
+    """mono.default_options_with / parse_option_fields: the benchmarks' NAME=INTEGER
+    pairs set TileChoice fields and OPTION_FIELDS (0 / 1 for a bool), the rest
+    staying default_options'; anything else is refused before any launch."""
+    fields = parse_option_fields(["x_token_groups=1", "final_split=1", "shared_late=0", "down_rows=32"])
+    assert fields == {"x_token_groups": 1, "final_split": 1, "shared_late": 0, "down_rows": 32}
+    got = default_options_with(1, fields)
+    assert got.tiles.x_token_groups is True and got.final_split is True and got.shared_late is False
+    assert got.tiles.down_rows == 32 and got.tiles.shared_step_kb == SINGLE_TOKEN_SHARED_STEP_KB
+    assert replace(got, final_split=False, shared_late=True, tiles=default_tiles(1)) == default_options(1)
+    assert default_options_with(8, {}) == default_options(8)
+    for bad in (["final_split"], ["final_split=yes"], ["=1"]):
+        with pytest.raises(K3InputError, match="NAME=INTEGER"):
+            parse_option_fields(bad)
+    with pytest.raises(K3InputError, match="neither a TileChoice field"):
+        default_options_with(1, {"m1b": 1})
 
 
 def test_the_kernels_table_columns_and_kind_codes_are_the_planners():

@@ -20,47 +20,25 @@ from .gemv import check_rows_contiguous, even_k, gemv_tile, num_tasks, store_row
 
 
 @triton.jit
-def final_routed_part(
+def final_part(
     task,
-    latent_ptr,  # [S, L/T] bf16: the rank's column slice of latent [S, L]
-    stride_ls,
-    up_ptr,  # [H, L/T] bf16
-    stride_un,
+    x_ptr,  # [S, K] bf16: the rank's latent columns (K = L/T) or its shared activations (K = SI/T)
+    stride_xs,
+    w_ptr,  # [H, K] bf16: latent_up_r or shared_down_r
+    stride_wn,
     S: tl.constexpr,
     H: tl.constexpr,
-    K_LATENT: tl.constexpr,  # L/T
+    K: tl.constexpr,
     SP: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    EVEN_K_LATENT: tl.constexpr,
+    EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """[SP, ROWS] fp32: rows task*ROWS .. of latent_r @ latent_up_r.T."""
-    return gemv_tile(latent_ptr, stride_ls, up_ptr, stride_un, task * ROWS, S, H, K_LATENT, SP, ROWS, BLOCK_K, USE_DOT,
-                     EVEN_K_LATENT, UPCAST)
-
-
-@triton.jit
-def final_shared_part(
-    task,
-    act_ptr,  # [S, SI/T] bf16
-    stride_as,
-    down_ptr,  # [H, SI/T] bf16
-    stride_dn,
-    S: tl.constexpr,
-    H: tl.constexpr,
-    K_SHARED: tl.constexpr,  # SI/T
-    SP: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    EVEN_K_SHARED: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """[SP, ROWS] fp32: rows task*ROWS .. of shared_act @ shared_down_r.T."""
-    return gemv_tile(act_ptr, stride_as, down_ptr, stride_dn, task * ROWS, S, H, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT,
-                     EVEN_K_SHARED, UPCAST)
+    """[SP, ROWS] fp32: rows task*ROWS .. of one of the two terms, x @ w.T."""
+    return gemv_tile(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, S, H, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
+                     UPCAST)
 
 
 @triton.jit
@@ -88,10 +66,10 @@ def final_task(
 ):
     """[SP, ROWS] fp32: rows task*ROWS .. of the partial (the two parts, each
     complete, added: the mono launch may run them apart, with the same sum)."""
-    routed = final_routed_part(task, latent_ptr, stride_ls, up_ptr, stride_un, S, H, K_LATENT, SP, ROWS, BLOCK_K,
-                               USE_DOT, EVEN_K_LATENT, UPCAST)
-    shared = final_shared_part(task, act_ptr, stride_as, down_ptr, stride_dn, S, H, K_SHARED, SP, ROWS, BLOCK_K,
-                               USE_DOT, EVEN_K_SHARED, UPCAST)
+    routed = final_part(task, latent_ptr, stride_ls, up_ptr, stride_un, S, H, K_LATENT, SP, ROWS, BLOCK_K, USE_DOT,
+                        EVEN_K_LATENT, UPCAST)
+    shared = final_part(task, act_ptr, stride_as, down_ptr, stride_dn, S, H, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT,
+                        EVEN_K_SHARED, UPCAST)
     return routed + shared
 
 
@@ -124,7 +102,7 @@ def _final_kernel(
         task, latent_ptr, stride_ls, up_ptr, stride_un, act_ptr, stride_as, down_ptr, stride_dn, S, H,
         K_LATENT, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K_LATENT, EVEN_K_SHARED, UPCAST,
     )
-    store_rows(out_ptr, stride_os, tile, task * ROWS, S, H, SP, ROWS)
+    store_rows(out_ptr, stride_os, tile, task * ROWS, 0, S, H, SP, ROWS)
 
 
 def launch_final_partial(latent_r, latent_up_r, shared_act, shared_down_r, partial_out, geom) -> None:

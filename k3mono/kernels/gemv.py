@@ -175,22 +175,7 @@ def store_rows(
     stride_os,
     tile,  # [SP, ROWS] in out's dtype
     row0,
-    S: tl.constexpr,
-    N: tl.constexpr,
-    SP: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """out[:S, row0 : row0 + ROWS] = tile, masked to the real tokens and rows."""
-    store_rows_from(out_ptr, stride_os, tile, row0, 0, S, N, SP, ROWS)
-
-
-@triton.jit
-def store_rows_from(
-    out_ptr,  # [S, N] (any dtype), row stride stride_os, unit column stride
-    stride_os,
-    tile,  # [SP, ROWS] in out's dtype
-    row0,
-    first,  # the first token stored: the ones before it are another task's
+    first,  # the first token stored (0; a token group's tasks: the ones before it are another task's)
     S: tl.constexpr,
     N: tl.constexpr,
     SP: tl.constexpr,

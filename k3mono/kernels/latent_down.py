@@ -17,7 +17,7 @@ import triton.language as tl
 
 from . import common
 from .common import to_bf16
-from .gemv import check_rows_contiguous, even_k, gemv_tile, group_window, num_tasks, store_rows_from
+from .gemv import check_rows_contiguous, even_k, gemv_tile, group_window, num_tasks, store_rows
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def _latent_down_kernel(
     window, skip = group_window(tl.program_id(1) * G, S, G)
     tile = latent_down_task(task, window, x_ptr, stride_xs, w_ptr, stride_wn, G, N, K, GP, ROWS, BLOCK_K, USE_DOT,
                             EVEN_K, UPCAST)
-    store_rows_from(z_ptr + window * stride_zs, stride_zs, tile, task * ROWS, skip, G, N, GP, ROWS)
+    store_rows(z_ptr + window * stride_zs, stride_zs, tile, task * ROWS, skip, G, N, GP, ROWS)
 
 
 def launch_latent_down(x, w, z_out, geom) -> None:

@@ -67,10 +67,10 @@ import triton.language as tl
 from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query
 from .common import INTERPRET, as_f32, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
-from .final import final_routed_part, final_shared_part
+from .final import final_part
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
-from .gemv import group_window, store_rows_from
+from .gemv import group_window, store_rows
 from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
 from .mxfp4 import ACT_PRESCALE
@@ -185,28 +185,11 @@ def _raise_on_peers(
 @triton.jit
 def _push_rows(
     peer_table_ptr,  # int64 [NP]
-    slot,  # elements (of DTYPE) from a peer buffer's start to row 0 of this rank's slot
-    stride,  # the slot's row stride
-    tile,  # [SP, ROWS] in DTYPE
-    row0,
-    S: tl.constexpr,
-    N: tl.constexpr,
-    SP: tl.constexpr,
-    ROWS: tl.constexpr,
-    NP: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    _push_rows_from(peer_table_ptr, slot, stride, tile, row0, 0, S, N, SP, ROWS, NP, DTYPE)
-
-
-@triton.jit
-def _push_rows_from(
-    peer_table_ptr,  # int64 [NP]
     slot,  # elements (of DTYPE) from a peer buffer's start to the slot's row of the tile's first token
     stride,  # the slot's row stride
     tile,  # [SP, ROWS] in DTYPE
     row0,
-    first,  # the tile's first token stored (kernels/gemv.py store_rows_from)
+    first,  # the tile's first token stored (kernels/gemv.py store_rows)
     S: tl.constexpr,
     N: tl.constexpr,
     SP: tl.constexpr,
@@ -215,7 +198,7 @@ def _push_rows_from(
     DTYPE: tl.constexpr,
 ):
     for p in range(NP):
-        store_rows_from(_peer(peer_table_ptr, p, DTYPE) + slot, stride, tile, row0, first, S, N, SP, ROWS)
+        store_rows(_peer(peer_table_ptr, p, DTYPE) + slot, stride, tile, row0, first, S, N, SP, ROWS)
 
 
 # The GEMV tasks with their pushes, so that every task kind is one call that
@@ -245,7 +228,7 @@ def oproj_push_task(
     SCOPE: tl.constexpr,
 ):
     acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST)
-    _push_rows(peer_table_ptr, slot, H, acc, tile * O_ROWS, S, H, SP, O_ROWS, NP, tl.float32)
+    _push_rows(peer_table_ptr, slot, H, acc, tile * O_ROWS, 0, S, H, SP, O_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
@@ -274,7 +257,7 @@ def router_push_task(
 ):
     window, skip = group_window(first, S, XG)
     acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST)
-    _push_rows_from(peer_table_ptr, slot + window * E, E, acc, tile * R_ROWS, skip, XG, E_R, XGP, R_ROWS, NP,
+    _push_rows(peer_table_ptr, slot + window * E, E, acc, tile * R_ROWS, skip, XG, E_R, XGP, R_ROWS, NP,
                     tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
@@ -307,7 +290,7 @@ def latent_down_push_task(
     zt = latent_down_task(tile, window, x_ptr, H, w_ld_ptr, H, XG, L_R, H, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST)
     if PRESCALE:
         zt = to_bf16(as_f32(zt) * ACT_PRESCALE)
-    _push_rows_from(peer_table_ptr, slot + window * L, L, zt, tile * LD_ROWS, skip, XG, L_R, XGP, LD_ROWS, NP,
+    _push_rows(peer_table_ptr, slot + window * L, L, zt, tile * LD_ROWS, skip, XG, L_R, XGP, LD_ROWS, NP,
                     tl.bfloat16)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
@@ -315,7 +298,7 @@ def latent_down_push_task(
 @triton.jit
 def final_push_task(
     tile,
-    shared,  # fp32 [SP, F_ROWS]: the tile's shared down-projection (final_shared_part), run before
+    shared,  # fp32 [SP, F_ROWS]: the tile's shared down-projection (final_part), run before
     lat_ptr,  # bf16 [S, L/T]: this rank's columns of the normed latent
     w_up_ptr,  # bf16 [H, L/T]
     peer_table_ptr,  # int64 [NP]
@@ -334,8 +317,8 @@ def final_push_task(
     SCOPE: tl.constexpr,
 ):
     """The latent up-projection's rows, plus ``shared`` (final_task's sum), pushed."""
-    acc = final_routed_part(tile, lat_ptr, L_R, w_up_ptr, L_R, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST)
-    _push_rows(peer_table_ptr, slot, H, acc + shared, tile * F_ROWS, S, H, SP, F_ROWS, NP, tl.float32)
+    acc = final_part(tile, lat_ptr, L_R, w_up_ptr, L_R, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST)
+    _push_rows(peer_table_ptr, slot, H, acc + shared, tile * F_ROWS, 0, S, H, SP, F_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
@@ -377,7 +360,7 @@ def expert_down_push_task(
         tl.debug_barrier()
         rows = tile * DN_ROWS + tl.arange(0, DN_ROWS)
         vals = tl.load(own_f32 + slot + token * L + rows, mask=rows < L, other=0.0)
-        _push_rows(peer_table_ptr, slot + token * L, L, vals[None, :], tile * DN_ROWS, 1, L, 1, DN_ROWS, NP,
+        _push_rows(peer_table_ptr, slot + token * L, L, vals[None, :], tile * DN_ROWS, 0, 1, L, 1, DN_ROWS, NP,
                    tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
@@ -821,8 +804,8 @@ def _mono_kernel(
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
                 # the shared down-projection first: with final_split the latent's wait is still open
-                shared = final_shared_part(tile, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, SI_R, SP, F_ROWS, F_BK, USE_DOT,
-                                           F_EVEN_S, UPCAST)
+                shared = final_part(tile, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, SI_R, SP, F_ROWS, F_BK, USE_DOT,
+                                    F_EVEN_S, UPCAST)
                 ok = _poll_waits(early, nwaits, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket,
                                  SCOPE, SLEEP_NS)
                 if ok != 0:

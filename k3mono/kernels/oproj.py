@@ -60,7 +60,7 @@ def _oproj_kernel(
 ):
     task = tl.program_id(0)
     tile = oproj_task(task, core_ptr, stride_cs, w_ptr, stride_wn, S, H, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
-    store_rows(out_ptr, stride_os, tile, task * ROWS, S, H, SP, ROWS)
+    store_rows(out_ptr, stride_os, tile, task * ROWS, 0, S, H, SP, ROWS)
 
 
 def launch_oproj(core_r, w_o, partial_out, geom) -> None:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .gemv import check_rows_contiguous, even_k, gemv_tile, group_window, num_tasks, store_rows_from
+from .gemv import check_rows_contiguous, even_k, gemv_tile, group_window, num_tasks, store_rows
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _router_kernel(
     window, skip = group_window(tl.program_id(1) * G, S, G)
     tile = router_task(task, window, x_ptr, stride_xs, w_ptr, stride_wn, G, N, K, GP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
                        UPCAST)
-    store_rows_from(out_ptr + window * stride_os, stride_os, tile, task * ROWS, skip, G, N, GP, ROWS)
+    store_rows(out_ptr + window * stride_os, stride_os, tile, task * ROWS, skip, G, N, GP, ROWS)
 
 
 def launch_router(x, router_r, logits_out, geom) -> None:

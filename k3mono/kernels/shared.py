@@ -48,7 +48,7 @@ def shared_gate_up_task(
     gate = to_bf16(gemv_tile(x_ptr, stride_xs, gate_ptr, stride_gn, row0, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST))
     up = to_bf16(gemv_tile(x_ptr, stride_xs, up_ptr, stride_un, row0, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST))
     act = to_bf16(situ(as_f32(gate), as_f32(up), BETA, LINEAR_BETA))
-    store_rows(act_ptr, stride_as, act, row0, S, N, SP, ROWS)
+    store_rows(act_ptr, stride_as, act, row0, 0, S, N, SP, ROWS)
 
 
 @triton.jit
