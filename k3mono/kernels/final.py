@@ -20,28 +20,6 @@ from .gemv import check_rows_contiguous, even_k, gemv_tile, num_tasks, store_row
 
 
 @triton.jit
-def final_part(
-    task,
-    x_ptr,  # [S, K] bf16: the rank's latent columns (K = L/T) or its shared activations (K = SI/T)
-    stride_xs,
-    w_ptr,  # [H, K] bf16: latent_up_r or shared_down_r
-    stride_wn,
-    S: tl.constexpr,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    SP: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """[SP, ROWS] fp32: rows task*ROWS .. of one of the two terms, x @ w.T."""
-    return gemv_tile(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, S, H, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                     UPCAST)
-
-
-@triton.jit
 def final_task(
     task,
     latent_ptr,  # [S, L/T] bf16: the rank's column slice of latent [S, L]
@@ -66,10 +44,13 @@ def final_task(
 ):
     """[SP, ROWS] fp32: rows task*ROWS .. of the partial (the two parts, each
     complete, added: the mono launch may run them apart, with the same sum)."""
-    routed = final_part(task, latent_ptr, stride_ls, up_ptr, stride_un, S, H, K_LATENT, SP, ROWS, BLOCK_K, USE_DOT,
-                        EVEN_K_LATENT, UPCAST)
-    shared = final_part(task, act_ptr, stride_as, down_ptr, stride_dn, S, H, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT,
-                        EVEN_K_SHARED, UPCAST)
+    row0 = task * ROWS
+    routed = gemv_tile(
+        latent_ptr, stride_ls, up_ptr, stride_un, row0, S, H, K_LATENT, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K_LATENT, UPCAST
+    )
+    shared = gemv_tile(
+        act_ptr, stride_as, down_ptr, stride_dn, row0, S, H, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K_SHARED, UPCAST
+    )
     return routed + shared
 
 

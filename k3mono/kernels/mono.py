@@ -67,10 +67,9 @@ import triton.language as tl
 from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query
 from .common import INTERPRET, as_f32, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
-from .final import final_part
 from .latent_down import latent_down_task
 from .latent_norm import latent_norm_task
-from .gemv import group_window, store_rows
+from .gemv import gemv_tile, group_window, store_rows
 from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
 from .mxfp4 import ACT_PRESCALE
@@ -298,7 +297,7 @@ def latent_down_push_task(
 @triton.jit
 def final_push_task(
     tile,
-    shared,  # fp32 [SP, F_ROWS]: the tile's shared down-projection (final_part), run before
+    shared,  # fp32 [SP, F_ROWS]: the tile's shared down-projection (final_task's second term), run before
     lat_ptr,  # bf16 [S, L/T]: this rank's columns of the normed latent
     w_up_ptr,  # bf16 [H, L/T]
     peer_table_ptr,  # int64 [NP]
@@ -316,8 +315,9 @@ def final_push_task(
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
-    """The latent up-projection's rows, plus ``shared`` (final_task's sum), pushed."""
-    acc = final_part(tile, lat_ptr, L_R, w_up_ptr, L_R, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST)
+    """The latent up-projection's rows plus ``shared``, final_task's sum (its two
+    gemv_tile terms, here run apart: MonoOptions.final_split), pushed."""
+    acc = gemv_tile(lat_ptr, L_R, w_up_ptr, L_R, tile * F_ROWS, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST)
     _push_rows(peer_table_ptr, slot, H, acc + shared, tile * F_ROWS, 0, S, H, SP, F_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
@@ -804,8 +804,8 @@ def _mono_kernel(
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
                 # the shared down-projection first: with final_split the latent's wait is still open
-                shared = final_part(tile, sact_ptr, SI_R, w_sd_ptr, SI_R, S, H, SI_R, SP, F_ROWS, F_BK, USE_DOT,
-                                    F_EVEN_S, UPCAST)
+                shared = gemv_tile(sact_ptr, SI_R, w_sd_ptr, SI_R, tile * F_ROWS, S, H, SI_R, SP, F_ROWS, F_BK,
+                                   USE_DOT, F_EVEN_S, UPCAST)
                 ok = _poll_waits(early, nwaits, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket,
                                  SCOPE, SLEEP_NS)
                 if ok != 0:
