@@ -1141,7 +1141,7 @@ class _TaskSpec(NamedTuple):
     raises: tuple
 
 
-SHARED_GU_WEIGHTS = ("shared_gate", "shared_up")
+SHARED_GU_WEIGHTS = ("shared_gate", "shared_up")  # a SHARED_GU task's rows (or its PREFETCH_SHARED task's)
 
 
 class _Planner:
@@ -1260,8 +1260,8 @@ class _Planner:
     def _x_gemv(self, kind, tile_list, names, flag, group_tokens=None, stream_weights=True):
         """A task per row tile and group of ``group_tokens`` tokens (all S when
         None), tile-major: a tile's groups run side by side, the first reading
-        its rows from HBM (``stream_weights``: else a prefetch task did), the others
-        from L2. ``token`` is the group's first."""
+        its rows from HBM (where ``stream_weights``: else a prefetch task did),
+        the others from L2. ``token`` is the group's first."""
         x_written = _WaitSpec(Flag.X_READY, 0, self.S * len(self.seam_chunks))
         firsts = range(0, self.S, group_tokens or self.S)
         for tile, lo, hi in tile_list:
@@ -1368,8 +1368,7 @@ class _Planner:
     def in_table_order(self) -> list[_TaskSpec]:
         for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_mix, self.seam_norm,
                      self.router, self.latent_down, self.prefetch_shared, *self._route_shared_and_gate_up(),
-                     self.expert_down,
-                     self.prefetch_final, self.latent_norm, self.final, self.reduce3):
+                     self.expert_down, self.prefetch_final, self.latent_norm, self.final, self.reduce3):
             step()
         return self.specs
 

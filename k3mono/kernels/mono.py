@@ -20,13 +20,16 @@ Per task:
    cp.async.bulk.prefetch, one instruction a range, nothing held or waited
    for; ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the chosen experts' rows and
    scales for EXPERT_GU / EXPERT_DOWN) while the awaited flag settles; the
-   stage function then reads them from L2.
+   stage function then reads them from L2. (PREFETCH_FINAL and PREFETCH_SHARED
+   tasks, options of the table, do only that, for FINAL's and SHARED_GU's rows.)
    OPROJ waits only where M1B runs first (then its w_o rows are asked for while
    the core settles; otherwise its weights stream at once); M1C has no wait; M1B
    has none either, or, where M1C runs first, one for every M1C task (its w_v
    tile is not asked for before it: a few KB, next to the cache M1C streams);
    REDUCE*, SEAM_*, ROUTE* and LATENT_NORM read activations (and norm vectors) only;
-3. poll the other waits, in table order;
+3. poll the other waits, in table order, but for the task's own (``late_waits``:
+   FINAL with MonoOptions.final_split polls LATENT_READY after its shared
+   down-projection, before its latent up-projection);
 4. run the kind's task function, which stores its own results: the GEMV kinds
    (``*_push_task`` below: the stage task function unchanged, then its tile
    into each of the NP peer buffers: o_proj / final partials to ar slot
@@ -256,8 +259,7 @@ def router_push_task(
 ):
     window, skip = group_window(first, S, XG)
     acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST)
-    _push_rows(peer_table_ptr, slot + window * E, E, acc, tile * R_ROWS, skip, XG, E_R, XGP, R_ROWS, NP,
-                    tl.float32)
+    _push_rows(peer_table_ptr, slot + window * E, E, acc, tile * R_ROWS, skip, XG, E_R, XGP, R_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
@@ -290,7 +292,7 @@ def latent_down_push_task(
     if PRESCALE:
         zt = to_bf16(as_f32(zt) * ACT_PRESCALE)
     _push_rows(peer_table_ptr, slot + window * L, L, zt, tile * LD_ROWS, skip, XG, L_R, XGP, LD_ROWS, NP,
-                    tl.bfloat16)
+               tl.bfloat16)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
