@@ -17,10 +17,10 @@ beside the first's tells what a task pays for being the first of its kind
 launch with M1b folded in (bench_mla.fold_shape) instead of the plain one,
 at each ``--m1b-rows`` (TileChoice.m1b_rows); ``--prefetch`` the launch at
 each of MonoRunner's prefetch modes; ``--set`` fields of the defaults
-(mono.default_options_with: TileChoice fields or mono.OPTION_FIELDS). ``--bucket-us`` adds the timeline
-(k3mono.trace.timeline: per bucket, the CTAs running and waiting in each
-kind); ``--from-json`` prints the summary and timeline of traces this
-script saved (``--out``), no GPU needed.
+(mono.default_options_with: TileChoice fields or mono.OPTION_FIELDS).
+``--bucket-us`` adds the timeline (k3mono.trace.timeline: per bucket, the
+CTAs running and waiting in each kind); ``--from-json`` prints the summary
+and timeline of traces this script saved (``--out``), no GPU needed.
 """
 
 from __future__ import annotations
