@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from k3mono.config import preset
-from k3mono.mono import (DEFAULT_CTAS_PER_SM, DEFAULT_POLL_SLEEP_NS, MonoRunner, default_options, default_tiles,
+from k3mono.mono import (DEFAULT_CTAS_PER_SM, DEFAULT_POLL_SLEEP_NS, MonoRunner, default_options, default_options_with,
                          device_sms)
 from k3mono.planner import MonoOptions, TileChoice
 from k3mono.runner import Oracle
@@ -230,20 +230,15 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, exp
     return 0 if same else 1
 
 
-def chosen_tiles(args, tokens: int) -> TileChoice:
-    """mono.default_tiles(tokens) with the fields given on the command line."""
-    given = {f.name: type(f.default)(getattr(args, f.name)) for f in dataclasses.fields(TileChoice)
-             if getattr(args, f.name) is not None}
-    return default_tiles(tokens, **given)
+GIVEN_FIELDS = (*(f.name for f in dataclasses.fields(TileChoice)), "poll_sleep_ns", "ctas_per_sm", "final_split",
+                "prefetch_shared")
+"""The TileChoice and MonoOptions fields the command line may set (mono.default_options_with)."""
 
 
 def chosen_options(args, tokens: int):
-    """default_options for S = ``tokens`` with the tiles, pause and CTAs a SM the arguments give."""
-    chosen = {} if args.ctas_per_sm is None else {"ctas_per_sm": args.ctas_per_sm}
-    for flag in ("final_split", "prefetch_shared"):
-        if getattr(args, flag) is not None:
-            chosen[flag] = bool(getattr(args, flag))
-    return default_options(tokens, tiles=chosen_tiles(args, tokens), poll_sleep_ns=args.poll_sleep_ns, **chosen)
+    """default_options for S = ``tokens`` with the fields the arguments give."""
+    return default_options_with(tokens, {name: getattr(args, name) for name in GIVEN_FIELDS
+                                         if getattr(args, name) is not None})
 
 
 def main() -> int:

@@ -251,18 +251,15 @@ def cmd_bench(args) -> int:
 def cmd_plan(args) -> int:
     from .config import preset
     from .floor import floor_bytes
-    from .mono import default_options
+    from .mono import default_options_with
     from .planner import M1bShape, plan
     from .reference.mla import LATENT_DIM
 
     cfg = preset(args.preset)
     m1b = M1bShape(splits=args.m1b_splits, latent=LATENT_DIM) if args.m1b_splits is not None else None
-    tile_names = (*PLAN_TILE_KNOBS, "x_token_groups")
-    given_tiles = {name: getattr(args, name) for name in tile_names if getattr(args, name) is not None}
-    given = {name: getattr(args, name) for name in ("prefetch_final", "ctas_per_sm", "final_split", "prefetch_shared")
-             if getattr(args, name) is not None}
-    options = default_options(args.tokens, m1b=m1b, **given)
-    options = dataclasses.replace(options, tiles=dataclasses.replace(options.tiles, **given_tiles))
+    names = (*PLAN_TILE_KNOBS, *PLAN_OPTION_SWITCHES, "prefetch_final", "ctas_per_sm")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    options = dataclasses.replace(default_options_with(args.tokens, given), m1b=m1b)
     table = plan(cfg, args.tp, args.tokens, args.sms, options)
     floor = floor_bytes(cfg, args.tp, args.tokens, args.tokens * cfg.num_experts_per_token, nblocks=args.nblocks,
                         m1b=m1b)

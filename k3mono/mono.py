@@ -269,13 +269,13 @@ def default_options_with(tokens: int, fields: dict[str, int]) -> MonoOptions:
     """default_options(S) with ``fields`` set: TileChoice fields or OPTION_FIELDS,
     by name, each an int (0 / 1 for a bool), as the benchmarks' command lines give them."""
     tile_types = {field.name: type(field.default) for field in dataclasses.fields(TileChoice)}
-    defaults = default_options(tokens)
+    option_types = {field.name: type(field.default) for field in dataclasses.fields(MonoOptions)}
     tiles, options = {}, {}
     for name, value in fields.items():
         if name in tile_types:
             tiles[name] = tile_types[name](value)
         elif name in OPTION_FIELDS:
-            options[name] = type(getattr(defaults, name))(value)
+            options[name] = option_types[name](value)
         else:
             raise K3InputError(f"options: {name!r} is neither a TileChoice field nor one of {OPTION_FIELDS}")
     return default_options(tokens, tiles=default_tiles(tokens, **tiles), **options)
