@@ -29,7 +29,8 @@
 # lookahead_many: the expert lookahead at 3 CTAs a SM (S = 16); trace16: the S = 16 trace beside the staged stages;
 # x_groups: the router and latent down by groups of tokens, timed and checked; final_split: FINAL's shared part
 # before its wait for the latent and the shared weights prefetched early, timed (final_split_check: checked, and
-# the S = 1 trace); expert_mma: the expert
+# the S = 1 trace); options_ab / options_check: the timing / checking halves of x_groups and final_split,
+# one call each; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -204,6 +205,18 @@ for s in $STEPS; do
         step prefetch_shared_s1_early 100 python3 benchmarks/defaults_ab.py --field prefetch_shared --values 0 1 \
             --tokens 1 --also final_split=1 shared_late=0
         step final_split_s816 220 python3 benchmarks/defaults_ab.py --field final_split --values 0 1 --tokens 8 16 ;;
+    options_ab)  # the token groups (S = 16, 8) and the split FINAL with the shared prefetch (S = 1), timed only
+        step x_groups_ab 280 python3 benchmarks/defaults_ab.py --field x_token_groups --values 0 1 --tokens 16 8
+        step final_split_s1 130 python3 benchmarks/defaults_ab.py --field final_split --values 0 1 --tokens 1
+        step prefetch_shared_s1 110 python3 benchmarks/defaults_ab.py --field prefetch_shared --values 0 1 --tokens 1 \
+            --also final_split=1 ;;
+    options_check)  # the token groups and the split FINAL with the shared prefetch checked, then the S = 1 trace
+        step x_groups_check 160 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 16 6 \
+            --x-token-groups 1 --grids --occupy-sms 0 --layers-tokens
+        step final_split_check 280 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 16 \
+            --final-split 1 --prefetch-shared 1 --grids 132 1 --occupy-sms 0 --layers-tokens
+        step final_split_trace 120 python3 benchmarks/mono_trace.py --tokens 1 --set final_split=1 prefetch_shared=1 \
+            --out "$RESULTS" ;;
     final_split_check)  # both on: checked (T = 1 and loopback T = 8, S = 1 and 16, grids of 132 and 1 CTAs), and
         # the S = 1 trace beside the defaults'
         step final_split_check 300 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 16 \
