@@ -231,7 +231,7 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, exp
 
 
 GIVEN_FIELDS = (*(f.name for f in dataclasses.fields(TileChoice)), "poll_sleep_ns", "ctas_per_sm", "final_split",
-                "prefetch_shared")
+                "prefetch_shared", "prefetch_final_early")
 """The TileChoice and MonoOptions fields the command line may set (mono.default_options_with)."""
 
 
@@ -257,6 +257,8 @@ def main() -> int:
                         help="MonoOptions.final_split (default: mono.default_options(S)'s)")
     parser.add_argument("--prefetch-shared", type=int, default=None, choices=[0, 1],
                         help="MonoOptions.prefetch_shared (default: mono.default_options(S)'s)")
+    parser.add_argument("--prefetch-final-early", type=int, default=None, choices=[0, 1],
+                        help="MonoOptions.prefetch_final_early (default: mono.default_options(S)'s)")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     parser.add_argument("--layers-tokens", type=int, nargs="*", default=[1],

@@ -43,6 +43,7 @@ measured default for the S asked (mono.default_options), as are --ctas-per-sm an
 PLAN_OPTION_SWITCHES = {
     "final_split": "FINAL's shared down-projection before its own wait for the latent",
     "prefetch_shared": "L2-prefetch the shared gate/up weights right after the latent down tasks",
+    "prefetch_final_early": "L2-prefetch FINAL's weights right after the latent down tasks, not after the experts",
     "x_token_groups": "S > 4: the router and latent down tasks by groups of 4 tokens (a TileChoice field)",
 }
 """MonoOptions (and TileChoice) switches ``plan`` takes as --NAME / --no-NAME (left out:

@@ -15,6 +15,7 @@ Scratch of a rank (only that rank reads and writes it):
     route_w    [S, K]        fp32   renormalised sigmoid scores, route_ids order
     route_keys [S, P, K_PAD] int64  each route part's top-K keys (kernels/route.py)
     expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
+    latent_sq  [S, PL]       fp32   each latent part's sum of bf16(sum of AR2)^2 (kernels/latent_norm.py)
     latent     [S, L/T]      bf16   the rank's columns of rms(bf16(sum of AR2), routed_expert_norm)
     shared_act [S, SI/T]     bf16   situ of the shared experts, this rank's slice
     seam_part  [S, PCH, 2, CP] fp32 the AttnRes seam's per-score-chunk sums of V^2 and V . q
@@ -24,7 +25,7 @@ Scratch of a rank (only that rank reads and writes it):
     split_lse  [splits, S, heads_r]     fp32   their log-sum-exps   (only with M1C tasks)
 
 P = ceil(E / planner.route_chunk) route parts, K_PAD = K rounded up to a power
-of two; CH = ceil(H / planner.seam_cols(H)) seam chunks, PCH = ceil(H /
+of two; PL = ceil(L / planner.latent_part_cols) latent parts; CH = ceil(H / planner.seam_cols(H)) seam chunks, PCH = ceil(H /
 planner.SEAM_SCORE_COLS) score chunks; CP = planner.seam_candidates_max
 (the model's widest seam), so one layout serves every layer.
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from .config import K3Config
-from .planner import SEAM_SCORE_COLS, next_pow2, route_chunk, seam_candidates_max, seam_cols
+from .planner import SEAM_SCORE_COLS, latent_part_cols, next_pow2, route_chunk, seam_candidates_max, seam_cols
 
 REGION_ALIGN = 256
 """Bytes: a region boundary is aligned for every vector width and keeps two
@@ -49,8 +50,8 @@ regions out of one 128-byte cache line, so a writer of one never invalidates
 a reader of the other."""
 
 PEER_REGIONS = ("ar1", "logits", "z", "ar2", "ar3")
-SCRATCH_REGIONS = ("x", "route_ids", "route_w", "route_keys", "expert_act", "latent", "shared_act", "seam_part",
-                   "seam_h", "seam_hsq")
+SCRATCH_REGIONS = ("x", "route_ids", "route_w", "route_keys", "expert_act", "latent_sq", "latent", "shared_act",
+                   "seam_part", "seam_h", "seam_hsq")
 
 
 def _aligned(nbytes: int) -> int:
@@ -95,6 +96,7 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
         "route_w": ((S, K), torch.float32),
         "route_keys": ((S, -(-E // route_chunk(E, K)), next_pow2(K)), torch.int64),
         "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
+        "latent_sq": ((S, -(-L // latent_part_cols(L))), torch.float32),
         "latent": ((S, L // tp), torch.bfloat16),
         "shared_act": ((S, cfg.shared_intermediate // tp), torch.bfloat16),
         "seam_part": ((S, -(-H // SEAM_SCORE_COLS), 2, seam_candidates_max(cfg)), torch.float32),

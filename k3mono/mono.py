@@ -260,8 +260,8 @@ def default_options(tokens: int, **choices) -> MonoOptions:
     return MonoOptions(**{**fields, **choices})
 
 
-OPTION_FIELDS = ("prefetch_final", "prefetch_shared", "route_early", "shared_late", "expert_evict_first", "final_split",
-                 "poll_sleep_ns", "ctas_per_sm")
+OPTION_FIELDS = ("prefetch_final", "prefetch_final_early", "prefetch_shared", "route_early", "shared_late",
+                 "expert_evict_first", "final_split", "poll_sleep_ns", "ctas_per_sm")
 """The MonoOptions fields ``default_options_with`` sets (the others are shapes or tiles)."""
 
 
@@ -435,7 +435,7 @@ def build(key: MonoBuild) -> Compiled:
     consts = dict(
         NCOL=len(COL),
         NP=1 if key.loopback else T, T=T, S=S, SP=g.tokens_pad, H=H, C_R=C // T, E=E, E_R=E // T,
-        E_PAD=next_pow2(E), RC=g.route_chunk, KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
+        E_PAD=next_pow2(E), RC=g.route_chunk, PC=g.latent_part, PL=-(-L // g.latent_part), KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
         USE_DOT=g.use_dot, XG=g.x_group, XGP=g.x_group_pad, XG_DOT=g.x_group_dot, UPCAST=common.UPCAST_DOT,
         O_ROWS=g.oproj.rows, O_BK=g.oproj.block_k, O_EVEN=even_k(C // T, g.oproj.block_k),
         R_ROWS=g.router.rows, R_BK=g.router.block_k, R_EVEN=even_k(H, g.router.block_k),
@@ -456,6 +456,7 @@ def build(key: MonoBuild) -> Compiled:
         X_B=elems(scratch["x"][0], 2), IDS_I=elems(scratch["route_ids"][0], 4), RW_F=elems(scratch["route_w"][0], 4),
         RK_I=elems(scratch["route_keys"][0], 4),
         ACT_B=elems(scratch["expert_act"][0], 2), LAT_B=elems(scratch["latent"][0], 2),
+        LSQ_F=elems(scratch["latent_sq"][0], 4),
         SACT_B=elems(scratch["shared_act"][0], 2), SPART_F=elems(scratch["seam_part"][0], 4),
         SH_B=elems(scratch["seam_h"][0], 2), SHSQ_F=elems(scratch["seam_hsq"][0], 4), CTL_I=elems(scratch["ctl"][0], 4),
         PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b), **_m1c_consts(g.m1c),

@@ -140,6 +140,25 @@ def route_chunk(num_experts: int, top_k: int) -> int:
     return max(next_pow2(top_k), min(ROUTE_CHUNK, next_pow2(num_experts) // ROUTE_MIN_PARTS))
 
 
+LATENT_PART_COLS = 512
+LATENT_MIN_PARTS = 2
+"""Columns of L a latent-norm part sums over the ranks (StageGeometry.latent_part,
+kernels/latent_norm.py): AR2 and the norm are two steps, a task per (token,
+part) for the sums of squares, then a task per token for the rank's columns,
+where one CTA summed the ranks over all of L (T * L * 4 = 114 KB at TP8) and
+ran 5.3 us at S = 1, on the launch's critical path (the traces of the
+twentieth session, an H100: the expert down-projection done at 59.3 us, the
+latent 65.1). 512 columns keep a part's loads at one 16-byte vector per rank
+slot and thread (4 warps): 7 parts at L = 3584, so each step is one memory
+round trip. Narrower configs get at least LATENT_MIN_PARTS parts (the small
+presets sum partials across parts, the last one partial, as the released one
+does); two, not more: the interpreter walks every task."""
+
+
+def latent_part_cols(latent: int) -> int:
+    return min(LATENT_PART_COLS, max(1, next_pow2(latent) // LATENT_MIN_PARTS))
+
+
 HIDDEN_ROWS = 8
 HIDDEN_ROWS_CHOICES = (8, 16, 32, 64)
 """Rows of an o_proj or a FINAL task (TileChoice.oproj_rows, final_rows): the
@@ -357,9 +376,10 @@ class StageGeometry:
     seam_cols: int  # columns of H an AttnRes seam task covers (SEAM_COLS)
     score_cols: int  # columns of H a seam score chunk covers (SEAM_SCORE_COLS)
     route_chunk: int  # experts a route part sorts (ROUTE_CHUNK)
+    latent_part: int  # columns of L a latent-norm part sums (LATENT_PART_COLS)
     x_group: int  # tokens a router / latent down task takes (X_TOKEN_GROUPS): S, or FMA_MAX_TOKENS
-    # Warps of latent_norm (staged launch): on the latency chain, one CTA keeps a
-    # token's T partial slots in flight at once, so more warps than the reduces.
+    # Warps of the latent norm's second step (staged launch): on the latency chain,
+    # one CTA keeps a token's T partial slots of its L/T columns in flight at once.
     latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
     m1b: "M1bGeometry | None" = None  # the mono launch's M1b tasks (MonoOptions.m1b)
     m1c: "M1cGeometry | None" = None  # the mono launch's M1c tasks (MonoOptions.m1c)
@@ -542,6 +562,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         seam_cols=seam_cols(H),
         score_cols=SEAM_SCORE_COLS,
         route_chunk=route_chunk(E, cfg.num_experts_per_token),
+        latent_part=latent_part_cols(L),
         x_group=x_group,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
@@ -612,10 +633,14 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 is long complete when EXPERT_DOWN(t) is taken). Its w2 loads
 #                 wait only for ROUTED (the expert ids), not for ACT
 #   PREFETCH_FINAL (option) FINAL's weights into L2 while the AR2 chain settles
-#   LATENT_NORM   per token, all together at the end: each waits for every
-#                 rank's down-projection of its token; interleaving them with
-#                 EXPERT_DOWN would block CTAs mid-phase for no gain (the last
-#                 token's chain is the critical path either way)
+#   LATENT_PART   per (token, part of L), all together at the end: each waits
+#                 for every rank's down-projection of its token, sums the ranks
+#                 over its part and writes the part's sum of squares;
+#                 interleaving them with EXPERT_DOWN would block CTAs mid-phase
+#                 for no gain (the last token's chain is the critical path
+#                 either way)
+#   LATENT_NORM   per token, after every part of it: the rank's L/T columns
+#                 summed again and normalised
 #   FINAL         latent up + shared down; its weights are issued before its
 #                 waits, so the first CTAs there stream while AR2 settles
 #                 (option final_split: the shared down first, then the wait
@@ -662,8 +687,9 @@ OPT_SHARED_LATE = 1 << 4
 OPT_EXPERT_EVICT_FIRST = 1 << 5
 OPT_FINAL_SPLIT = 1 << 6
 OPT_PREFETCH_SHARED = 1 << 7
+OPT_PREFETCH_FINAL_EARLY = 1 << 8
 OPT_ALL = (OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE | OPT_EXPERT_EVICT_FIRST
-           | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED)
+           | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED | OPT_PREFETCH_FINAL_EARLY)
 
 
 class TaskKind(enum.IntEnum):
@@ -688,6 +714,7 @@ class TaskKind(enum.IntEnum):
     SEAM_NORM = 17
     ROUTE_PART = 18
     PREFETCH_SHARED = 19
+    LATENT_PART = 20
 
 
 class Flag(enum.IntEnum):
@@ -709,6 +736,7 @@ class Flag(enum.IntEnum):
     MIXED = 14  # [token]      seam h and its partial squares written, every chunk
     RANKED = 15  # [token]     route parts' top-K keys written, every part
     DISCARD = 16  # [1]        raised by a timing variant's task copies only; never awaited
+    SQUARED = 17  # [token]    latent parts' sums of squares written, every part
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
@@ -765,6 +793,13 @@ class MonoOptions:
     router and latent rows, 8 MB, stream from 10 to 27 us), so the shared
     tasks then read L2 (at S = 1 they ran 18.5 us each, a memory round trip a
     step, through the expert phase). The same sums.
+    prefetch_final_early (a build-key bit, ``bits()``; needs prefetch_final): the
+    PREFETCH_FINAL tasks right after LATENT_DOWN instead of after the expert
+    down-projections, so FINAL's 17 MB (TP8) stream while the AR1 -> seam ->
+    route chain leaves HBM nearly idle, not beside the down-projections' own
+    weights (the S = 1 trace of the twentieth session, an H100: the down tasks
+    ran 49.6 to 59.3 us while PREFETCH_FINAL pulled FINAL's rows, 47.4 to 60.2).
+    They must then stay in L2 through the expert phase. The same sums.
     """
 
     prefetch_final: bool = False
@@ -778,13 +813,15 @@ class MonoOptions:
     expert_evict_first: bool = False
     final_split: bool = False
     prefetch_shared: bool = False
+    prefetch_final_early: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
                 | (OPT_M1C if self.m1c is not None else 0) | (OPT_ROUTE_EARLY if self.route_early else 0)
                 | (OPT_SHARED_LATE if self.shared_late else 0)
                 | (OPT_EXPERT_EVICT_FIRST if self.expert_evict_first else 0)
-                | (OPT_FINAL_SPLIT if self.final_split else 0) | (OPT_PREFETCH_SHARED if self.prefetch_shared else 0))
+                | (OPT_FINAL_SPLIT if self.final_split else 0) | (OPT_PREFETCH_SHARED if self.prefetch_shared else 0)
+                | (OPT_PREFETCH_FINAL_EARLY if self.prefetch_final_early else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
@@ -799,7 +836,8 @@ class MonoOptions:
         return cls(prefetch_final=bool(bits & OPT_PREFETCH_FINAL), ctas_per_sm=ctas_per_sm, m1b=m1b, m1c=m1c,
                    tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY),
                    shared_late=bool(bits & OPT_SHARED_LATE), expert_evict_first=bool(bits & OPT_EXPERT_EVICT_FIRST),
-                   final_split=bool(bits & OPT_FINAL_SPLIT), prefetch_shared=bool(bits & OPT_PREFETCH_SHARED))
+                   final_split=bool(bits & OPT_FINAL_SPLIT), prefetch_shared=bool(bits & OPT_PREFETCH_SHARED),
+                   prefetch_final_early=bool(bits & OPT_PREFETCH_FINAL_EARLY))
 
 
 @dataclass(frozen=True)
@@ -1103,6 +1141,7 @@ _WRITES = {
     TaskKind.EXPERT_DOWN: lambda tb, t, r: [Write("ar2", True, (r, t.token, slice(*t.span)))],
     TaskKind.PREFETCH_FINAL: lambda tb, t, r: [],
     TaskKind.PREFETCH_SHARED: lambda tb, t, r: [],
+    TaskKind.LATENT_PART: lambda tb, t, r: [Write("latent_sq", False, (t.token, t.tile))],
     TaskKind.LATENT_NORM: lambda tb, t, r: [Write("latent", False, (t.token,))],
     TaskKind.FINAL: lambda tb, t, r: [Write("ar3", True, (r, slice(None), slice(*t.span)))],
     TaskKind.REDUCE3: lambda tb, t, r: [Write("out", False, (t.token, slice(*t.span)))],
@@ -1160,6 +1199,7 @@ class _Planner:
         self.reduce1_tiles = tiles(H, self.reduce1_cols)
         self.seam_chunks = tiles(H, geometry.seam_cols)
         self.route_parts = tiles(cfg.num_experts, geometry.route_chunk)
+        self.latent_parts = tiles(cfg.routed_expert_hidden_size, geometry.latent_part)
         self.router_tiles = tiles(cfg.num_experts // tp, geometry.router.rows)
         self.latent_tiles = tiles(cfg.routed_expert_hidden_size // tp, geometry.latent_down.rows)
         self.shared_tiles = tiles(cfg.shared_intermediate // tp, geometry.shared_gate_up.rows)
@@ -1330,12 +1370,19 @@ class _Planner:
             self.add(TaskKind.PREFETCH_FINAL, tile=tile, span=(lo, hi),
                      streams=self._rows(["latent_up", "shared_down"], lo, hi))
 
+    def latent_part(self):
+        for token in range(self.S):
+            for part, lo, hi in self.latent_parts:
+                self.add(TaskKind.LATENT_PART, tile=part, span=(lo, hi), token=token,
+                         waits=[_WaitSpec(Flag.AR2, token, self.tp * len(self.down_tiles))],
+                         raises=[(Flag.SQUARED, token)])
+
     def latent_norm(self):
         for token in range(self.S):
             # the norm vector's rank columns only (kernels/latent_norm.py)
             streams = self._vector_slices_once(token, ["latent_norm"], 0, self.cfg.routed_expert_hidden_size // self.tp)
             self.add(TaskKind.LATENT_NORM, token=token, streams=streams,
-                     waits=[_WaitSpec(Flag.AR2, token, self.tp * len(self.down_tiles))],
+                     waits=[_WaitSpec(Flag.SQUARED, token, len(self.latent_parts))],
                      raises=[(Flag.LATENT_READY, 0)])
 
     def final(self):
@@ -1366,9 +1413,11 @@ class _Planner:
         return (self.shared_gate_up, *route, self.expert_gate_up)
 
     def in_table_order(self) -> list[_TaskSpec]:
+        early = (self.prefetch_final,) if self.options.prefetch_final_early else ()
+        late = () if early else (self.prefetch_final,)
         for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_mix, self.seam_norm,
-                     self.router, self.latent_down, self.prefetch_shared, *self._route_shared_and_gate_up(),
-                     self.expert_down, self.prefetch_final, self.latent_norm, self.final, self.reduce3):
+                     self.router, self.latent_down, *early, self.prefetch_shared, *self._route_shared_and_gate_up(),
+                     self.expert_down, *late, self.latent_part, self.latent_norm, self.final, self.reduce3):
             step()
         return self.specs
 
@@ -1390,6 +1439,7 @@ class _Planner:
             Flag.SPLITS: 1 if self.m1c_blocks else 0,
             Flag.MIXED: per_token,
             Flag.RANKED: per_token,
+            Flag.SQUARED: per_token,
             Flag.DISCARD: 1,
         }
         return tuple((flag, slots[flag]) for flag in Flag)
@@ -1496,6 +1546,8 @@ def _validate(cfg: K3Config, tp: int, tokens: int, sms: int, options) -> None:
     if not isinstance(options.tiles, TileChoice):
         raise K3InputError(f"options.tiles: expected TileChoice, got {type(options.tiles).__name__}")
     options.tiles.check()
+    if options.prefetch_final_early and not options.prefetch_final:
+        raise K3InputError("options.prefetch_final_early: it moves the PREFETCH_FINAL tasks: it needs prefetch_final")
     if options.m1b is not None:
         _validate_m1b(cfg, options.m1b)
     if options.m1c is not None:

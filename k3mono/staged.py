@@ -218,8 +218,8 @@ class StagedLayer:
         out.append(("exchange ar2", lambda: self._exchange_slot("ar2")))
         each_rank(
             "latent_norm",
-            lambda r: launch_latent_norm(peer[r]["ar2"], w[r].latent_norm, cfg.rms_norm_eps, scratch[r]["latent"], r,
-                                         geom),
+            lambda r: launch_latent_norm(peer[r]["ar2"], w[r].latent_norm, cfg.rms_norm_eps, scratch[r]["latent_sq"],
+                                         scratch[r]["latent"], r, geom),
         )
         each_rank(
             "final_partial",

@@ -176,6 +176,7 @@ def narrow(geom):
         vector_block=64,
         seam_cols=128,
         score_cols=64,
+        latent_part=32,
     )
 
 
@@ -395,7 +396,8 @@ def every_rank_latent(parts, norm, eps, geom):
     slices = []
     for rank in range(tp):
         latent_r = poisoned((S, L // tp), torch.bfloat16)
-        launch_latent_norm(dev(parts), dev(norm), eps, latent_r, rank, geom)
+        squares = poisoned((S, -(-L // geom.latent_part)), torch.float32)
+        launch_latent_norm(dev(parts), dev(norm), eps, squares, latent_r, rank, geom)
         slices.append(latent_r)
     return torch.cat(slices, dim=1)
 
@@ -513,10 +515,13 @@ _SM90_CHECK = textwrap.dedent(
                  {"h_ptr": "*bf16", "hsq_ptr": "*fp32", "post_norm_ptr": "*bf16", "eps": "fp32", "x_ptr": "*bf16",
                   "stride_xs": "i32"},
                  dict(H=7168, SC=512))
+    compile_sm90(latent_norm._latent_part_kernel,
+                 {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "sq_ptr": "*fp32"},
+                 dict(T=8, L=3584, PC=512, PL=7))
     compile_sm90(latent_norm._latent_norm_kernel,
-                 {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "norm_ptr": "*bf16", "eps": "fp32",
-                  "out_ptr": "*bf16", "stride_os": "i32", "rank": "i32"},
-                 dict(T=8, L=3584, L_R=448, VB=1024))
+                 {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "sq_ptr": "*fp32", "norm_ptr": "*bf16",
+                  "eps": "fp32", "out_ptr": "*bf16", "stride_os": "i32", "rank": "i32"},
+                 dict(T=8, L=3584, L_R=448, PL=7, VB=1024))
     compile_sm90(route._route_part_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "keys_ptr": "*i64"},
                  dict(E=896, K=16, E_PAD=1024, RC=128))
     compile_sm90(route._route_merge_kernel,

@@ -284,7 +284,8 @@ def test_the_launch_options_change_no_bits():
     inputs = random_inputs(cfg, tokens, layer, seed=21)
     plain = MonoRunner(cfg, shards, tokens, layer, prefetch=0, options=MonoOptions())(**inputs)
     for options in (MonoOptions(prefetch_final=True, route_early=True),
-                    MonoOptions(shared_late=True, expert_evict_first=True, final_split=True, prefetch_shared=True)):
+                    MonoOptions(shared_late=True, expert_evict_first=True, final_split=True, prefetch_shared=True,
+                                prefetch_final=True, prefetch_final_early=True)):
         eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=options)
         kinds = [task.kind for task in eager.compiled.table.tasks]
         assert (TaskKind.PREFETCH_FINAL in kinds) == options.prefetch_final

@@ -68,6 +68,7 @@ KIND_ORDER = [
     TaskKind.ROUTE,
     TaskKind.EXPERT_GU,
     TaskKind.EXPERT_DOWN,
+    TaskKind.LATENT_PART,
     TaskKind.LATENT_NORM,
     TaskKind.FINAL,
     TaskKind.REDUCE3,
@@ -87,12 +88,13 @@ def m1c_shape(name: str, tp: int, tokens: int) -> M1cShape:
 
 @lru_cache(maxsize=None)
 def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False, mla: str | None = None,
-              route_early: bool = False, shared_late: bool = False, prefetch_shared: bool = False):
+              route_early: bool = False, shared_late: bool = False, prefetch_shared: bool = False,
+              prefetch_final_early: bool = False):
     m1b = m1b_shape(name, tp) if mla in ("m1b", "m1c") else None
     m1c = m1c_shape(name, tp, tokens) if mla == "m1c" else None
     options = MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c, route_early=route_early,
                           shared_late=shared_late, tiles=TileChoice(x_token_groups=mla == "x_groups"),
-                          prefetch_shared=prefetch_shared)
+                          prefetch_shared=prefetch_shared, prefetch_final_early=prefetch_final_early)
     return plan(preset(name), tp, tokens, sms, options)
 
 
@@ -153,17 +155,18 @@ def test_flag_words_are_distinct_and_in_range(name, tp, tokens, mla):
     assert {flag for flag, _ in table.flag_slots} == set(Flag)
 
 
-@pytest.mark.parametrize("prefetch,route_early,shared_late",
-                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True),
-                          (True, False, True)])
-def test_kinds_come_in_the_documented_order(prefetch, route_early, shared_late):
+@pytest.mark.parametrize("prefetch,route_early,shared_late,early",
+                         [(False, False, False, False), (True, False, False, False), (False, True, False, False),
+                          (False, False, True, False), (True, False, True, False), (True, False, True, True)])
+def test_kinds_come_in_the_documented_order(prefetch, route_early, shared_late, early):
     table = table_for("kimi-k3", 8, 4, prefetch_final=prefetch, route_early=route_early, shared_late=shared_late,
-                      prefetch_shared=prefetch)
+                      prefetch_shared=prefetch, prefetch_final_early=early)
     kinds = [group.kind for group in table.groups()]
     expected = list(KIND_ORDER)
     if prefetch:
-        expected.insert(expected.index(TaskKind.LATENT_NORM), TaskKind.PREFETCH_FINAL)
         expected.insert(expected.index(TaskKind.LATENT_DOWN) + 1, TaskKind.PREFETCH_SHARED)
+        final_before = TaskKind.PREFETCH_SHARED if early else TaskKind.LATENT_PART
+        expected.insert(expected.index(final_before), TaskKind.PREFETCH_FINAL)
     if route_early or shared_late:
         expected.remove(TaskKind.SHARED_GU)
         after = TaskKind.EXPERT_GU if shared_late else TaskKind.ROUTE
@@ -464,6 +467,7 @@ def test_plan_rejects_bad_values():
         dict(sms=1.5),
         dict(options="prefetch"),
         dict(options=MonoOptions(ctas_per_sm=0)),
+        dict(options=MonoOptions(prefetch_final_early=True)),  # no PREFETCH_FINAL tasks to move
     ]
     for override in bad:
         args = {"tp": 2, "tokens": 4, "sms": 132, "options": MonoOptions(), **override}
@@ -829,13 +833,16 @@ def test_oproj_and_final_rows_set_their_tasks_over_the_same_step_bytes(tokens, b
         plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(final_rows=12)))
 
 
-@pytest.mark.parametrize("name,chunks,parts", [("kimi-k3", 14, 7), ("tiny", 2, 2), ("small", 2, 2)])
+@pytest.mark.parametrize("name,chunks,parts,latent_parts", [("kimi-k3", 14, 7, 7), ("tiny", 2, 2, 2),
+                                                             ("small", 2, 2, 2)])
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_seam_and_route_spread_each_token_over_ctas(name, chunks, parts, tokens):
+def test_seam_route_and_latent_norm_spread_each_token_over_ctas(name, chunks, parts, latent_parts, tokens):
     """The seam's mix and norm are a task per (token, chunk of H), after the
     REDUCE1 tasks that score its token (a task per (tile, token)); the route's
-    first step a task per (token, part of the experts); each next step waits for
-    all of its own token's tasks and no other's (the small presets too have several)."""
+    first step a task per (token, part of the experts), the latent norm's a task
+    per (token, part of L) after every rank's down-projection of its token; each
+    next step waits for all of its own token's tasks and no other's (the small
+    presets too have several)."""
     table = table_for(name, 1, tokens)
     by_kind = {}
     for task in table.tasks:
@@ -854,7 +861,17 @@ def test_seam_and_route_spread_each_token_over_ctas(name, chunks, parts, tokens)
         assert (wait.flag, wait.index, wait.count) == (Flag.P_READY, task.token, len(tiles))
         assert set(wait.sources) == {t.ticket for t in reduce1 if t.token == task.token}
     assert len(by_kind[TaskKind.ROUTE_PART]) == tokens * parts and len(by_kind[TaskKind.ROUTE]) == tokens
-    for step, flag, producers in ((TaskKind.SEAM_NORM, Flag.MIXED, chunks), (TaskKind.ROUTE, Flag.RANKED, parts)):
+    L, part_cols = table.cfg.routed_expert_hidden_size, table.geometry.latent_part
+    assert len(by_kind[TaskKind.LATENT_PART]) == tokens * latent_parts and len(by_kind[TaskKind.LATENT_NORM]) == tokens
+    assert {t.span for t in by_kind[TaskKind.LATENT_PART] if t.token == 0} == {
+        (lo, min(lo + part_cols, L)) for lo in range(0, L, part_cols)}
+    down = by_kind[TaskKind.EXPERT_DOWN]
+    for task in by_kind[TaskKind.LATENT_PART]:
+        (wait,) = task.waits
+        assert (wait.flag, wait.index) == (Flag.AR2, task.token)
+        assert set(wait.sources) == {t.ticket for t in down if t.token == task.token}
+    for step, flag, producers in ((TaskKind.SEAM_NORM, Flag.MIXED, chunks), (TaskKind.ROUTE, Flag.RANKED, parts),
+                                  (TaskKind.LATENT_NORM, Flag.SQUARED, latent_parts)):
         for task in by_kind[step]:
             (wait,) = task.waits
             assert (wait.flag, wait.index, wait.count) == (flag, task.token, producers)

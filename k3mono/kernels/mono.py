@@ -26,7 +26,7 @@ Per task:
    the core settles; otherwise its weights stream at once); M1C has no wait; M1B
    has none either, or, where M1C runs first, one for every M1C task (its w_v
    tile is not asked for before it: a few KB, next to the cache M1C streams);
-   REDUCE*, SEAM_*, ROUTE* and LATENT_NORM read activations (and norm vectors) only;
+   REDUCE*, SEAM_*, ROUTE* and LATENT_* read activations (and norm vectors) only;
 3. poll the other waits, in table order, but for the task's own (``late_waits``:
    FINAL with MonoOptions.final_split polls LATENT_READY after its shared
    down-projection, before its latent up-projection);
@@ -71,7 +71,7 @@ from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, 
 from .common import INTERPRET, as_f32, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
 from .latent_down import latent_down_task
-from .latent_norm import latent_norm_task
+from .latent_norm import latent_norm_task, latent_part_task
 from .gemv import gemv_tile, group_window, store_rows
 from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
@@ -106,6 +106,7 @@ K_SEAM_MIX = tl.constexpr(16)
 K_SEAM_NORM = tl.constexpr(17)
 K_ROUTE_PART = tl.constexpr(18)
 K_PREFETCH_SHARED = tl.constexpr(19)
+K_LATENT_PART = tl.constexpr(20)
 
 # int table columns (planner.TABLE_COLUMNS)
 C_KIND = tl.constexpr(0)
@@ -563,6 +564,8 @@ def _mono_kernel(
     E_R: tl.constexpr,
     E_PAD: tl.constexpr,
     RC: tl.constexpr,  # experts a route part sorts
+    PC: tl.constexpr,  # columns of L a latent part sums (planner.latent_part_cols)
+    PL: tl.constexpr,  # latent parts
     KTOP: tl.constexpr,
     L: tl.constexpr,
     L_R: tl.constexpr,
@@ -622,6 +625,7 @@ def _mono_kernel(
     RK_I: tl.constexpr,  # route_keys (int64) as int32 elements
     ACT_B: tl.constexpr,
     LAT_B: tl.constexpr,
+    LSQ_F: tl.constexpr,
     SACT_B: tl.constexpr,
     SPART_F: tl.constexpr,
     SH_B: tl.constexpr,
@@ -801,8 +805,12 @@ def _mono_kernel(
             elif kind == K_PREFETCH_SHARED:
                 _prefetch_rows(w_sg_ptr, start, stop, SI_R, H)
                 _prefetch_rows(w_su_ptr, start, stop, SI_R, H)
+            elif kind == K_LATENT_PART:
+                latent_part_task(token, tile, own_f32 + pf + AR2_F, S * L, L, sc_f32 + LSQ_F, T, L, PC, PL)
+                raise_counter(flags + rword, SCOPE)
             elif kind == K_LATENT_NORM:
-                latent_norm_task(token, rank, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, eps, lat_ptr, L_R, T, L, L_R, VB)
+                latent_norm_task(token, rank, own_f32 + pf + AR2_F, S * L, L, sc_f32 + LSQ_F, ln_w_ptr, eps, lat_ptr,
+                                 L_R, T, L, L_R, PL, VB)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
                 # the shared down-projection first: with final_split the latent's wait is still open
