@@ -30,7 +30,8 @@
 # x_groups: the router and latent down by groups of tokens, timed and checked; final_split: FINAL's shared part
 # before its wait for the latent and the shared weights prefetched early, timed (final_split_check: checked, and
 # the S = 1 trace); options_ab / options_check: the timing / checking halves of x_groups and final_split,
-# one call each; expert_mma: the expert
+# one call each; latent_parts: the two-step latent norm checked, FINAL's prefetch early and 3 CTAs a SM at
+# S = 1 timed, the traces; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -217,6 +218,15 @@ for s in $STEPS; do
             --final-split 1 --prefetch-shared 1 --grids 132 1 --occupy-sms 0 --layers-tokens
         step final_split_trace 120 python3 benchmarks/mono_trace.py --tokens 1 --set final_split=1 prefetch_shared=1 \
             --out "$RESULTS" ;;
+    latent_parts)  # the latent norm in two steps (LATENT_PART, LATENT_NORM) checked, then timed with FINAL's
+        # weights prefetched early (MonoOptions.prefetch_final_early) and at 3 CTAs a SM at S = 1 (168 registers
+        # offline at b32ece9), and the traces at S = 1 and 8
+        step latent_parts_check 200 python3 benchmarks/gpu_check.py --tp 8 1 --tokens 1 8 16 --grids 132 1 \
+            --occupy-sms 0
+        step prefetch_final_early 120 python3 benchmarks/defaults_ab.py --field prefetch_final_early --values 0 1 \
+            --tokens 1 8
+        step ctas3_s1 80 python3 benchmarks/defaults_ab.py --field ctas_per_sm --values 2 3 --tokens 1
+        step latent_parts_trace 100 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
     final_split_check)  # both on: checked (T = 1 and loopback T = 8, S = 1 and 16, grids of 132 and 1 CTAs), and
         # the S = 1 trace beside the defaults'
         step final_split_check 300 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 16 \
