@@ -152,7 +152,11 @@ latent 65.1). 512 columns keep a part's loads at one 16-byte vector per rank
 slot and thread (4 warps): 7 parts at L = 3584, so each step is one memory
 round trip. Narrower configs get at least LATENT_MIN_PARTS parts (the small
 presets sum partials across parts, the last one partial, as the released one
-does); two, not more: the interpreter walks every task."""
+does); two, not more: the interpreter walks every task. Measured on an H100
+against the one task: neutral, S = 1 74.6 against 74.3 us, S = 8 209.4
+against 210.0 (the latent 5.3 us after the last down task instead of 5.8:
+each step pays a poll hop and a cold L2 round trip; docs/PERF.md); kept, as
+fast and with no CTA holding T * L * 4 bytes."""
 
 
 def latent_part_cols(latent: int) -> int:
@@ -799,7 +803,8 @@ class MonoOptions:
     route chain leaves HBM nearly idle, not beside the down-projections' own
     weights (the S = 1 trace of the twentieth session, an H100: the down tasks
     ran 49.6 to 59.3 us while PREFETCH_FINAL pulled FINAL's rows, 47.4 to 60.2).
-    They must then stay in L2 through the expert phase. The same sums.
+    They must then stay in L2 through the expert phase. The same sums. Measured
+    slower on an H100 (S = 1 76.9 against 75.0 us, S = 8 211.3 against 209.6): off.
     """
 
     prefetch_final: bool = False
