@@ -14,11 +14,12 @@ Buffers of a rank (flat uint8, every region REGION_ALIGN-aligned)
              (ar1, logits, z, ar2, ar3), epoch e uses parity e & 1; flags are
              the planner's int32 flag words (never cleared; epoch e waits for
              e * count).
-    scratch  layout.scratch_layout (x, route_ids, route_w, expert_act, latent,
-             shared_act; split_o and split_lse, M1c's split outputs, with
-             M1C), then ``ctl``: the ticket counter and the CTAs-done
-             counter (the last CTA of a launch resets both: no host work
-             between launches, so the launch can be captured and replayed).
+    scratch  layout.scratch_layout (layout.SCRATCH_REGIONS: x, the route's,
+             expert_act, latent_sq, latent, shared_act, the seam's; split_o
+             and split_lse, M1c's split outputs, with M1C), then ``ctl``:
+             the ticket counter and the CTAs-done counter (the last CTA of
+             a launch resets both: no host work between launches, so the
+             launch can be captured and replayed).
     epoch    int32 [1] on the device: read by the launch, advanced by its last
              CTA (a replay finds the next epoch there).
     health   int32 [sync.HEALTH_WORDS]: the alarm word and the record of the
@@ -435,7 +436,8 @@ def build(key: MonoBuild) -> Compiled:
     consts = dict(
         NCOL=len(COL),
         NP=1 if key.loopback else T, T=T, S=S, SP=g.tokens_pad, H=H, C_R=C // T, E=E, E_R=E // T,
-        E_PAD=next_pow2(E), RC=g.route_chunk, PC=g.latent_part, PL=-(-L // g.latent_part), KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
+        E_PAD=next_pow2(E), RC=g.route_chunk, PC=g.latent_part, PL=-(-L // g.latent_part),
+        KTOP=cfg.num_experts_per_token, L=L, L_R=L // T, I_R=I // T, SI_R=SI // T,
         USE_DOT=g.use_dot, XG=g.x_group, XGP=g.x_group_pad, XG_DOT=g.x_group_dot, UPCAST=common.UPCAST_DOT,
         O_ROWS=g.oproj.rows, O_BK=g.oproj.block_k, O_EVEN=even_k(C // T, g.oproj.block_k),
         R_ROWS=g.router.rows, R_BK=g.router.block_k, R_EVEN=even_k(H, g.router.block_k),

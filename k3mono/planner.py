@@ -637,6 +637,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 is long complete when EXPERT_DOWN(t) is taken). Its w2 loads
 #                 wait only for ROUTED (the expert ids), not for ACT
 #   PREFETCH_FINAL (option) FINAL's weights into L2 while the AR2 chain settles
+#                 (option prefetch_final_early: right after LATENT_DOWN instead)
 #   LATENT_PART   per (token, part of L), all together at the end: each waits
 #                 for every rank's down-projection of its token, sums the ranks
 #                 over its part and writes the part's sum of squares;
