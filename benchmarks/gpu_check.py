@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from k3mono.config import preset
-from k3mono.mono import (DEFAULT_CTAS_PER_SM, DEFAULT_POLL_SLEEP_NS, MonoRunner, default_options, default_options_with,
+from k3mono.mono import (DEFAULT_CTAS_PER_SM, OPTION_FIELDS, MonoRunner, default_options, default_options_with,
                          device_sms)
 from k3mono.planner import MonoOptions, TileChoice
 from k3mono.runner import Oracle
@@ -230,8 +230,7 @@ def grid_case(cfg, shards, ctas: int, occupy_sms: int, device, inputs: dict, exp
     return 0 if same else 1
 
 
-GIVEN_FIELDS = (*(f.name for f in dataclasses.fields(TileChoice)), "poll_sleep_ns", "ctas_per_sm", "final_split",
-                "prefetch_shared", "prefetch_final_early")
+GIVEN_FIELDS = (*(f.name for f in dataclasses.fields(TileChoice)), *OPTION_FIELDS)
 """The TileChoice and MonoOptions fields the command line may set (mono.default_options_with)."""
 
 
@@ -250,15 +249,11 @@ def main() -> int:
     for name in (f.name for f in dataclasses.fields(TileChoice)):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"TileChoice.{name} (default: mono.default_tiles(S)'s; 0 / 1 for a bool)")
-    parser.add_argument("--poll-sleep-ns", type=int, default=DEFAULT_POLL_SLEEP_NS, help="MonoOptions.poll_sleep_ns")
-    parser.add_argument("--ctas-per-sm", type=int, default=None,
-                        help="MonoOptions.ctas_per_sm (default: mono.default_ctas_per_sm(S))")
-    parser.add_argument("--final-split", type=int, default=None, choices=[0, 1],
-                        help="MonoOptions.final_split (default: mono.default_options(S)'s)")
-    parser.add_argument("--prefetch-shared", type=int, default=None, choices=[0, 1],
-                        help="MonoOptions.prefetch_shared (default: mono.default_options(S)'s)")
-    parser.add_argument("--prefetch-final-early", type=int, default=None, choices=[0, 1],
-                        help="MonoOptions.prefetch_final_early (default: mono.default_options(S)'s)")
+    option_defaults = {f.name: f.default for f in dataclasses.fields(MonoOptions)}
+    for name in OPTION_FIELDS:
+        boolean = isinstance(option_defaults[name], bool)
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, choices=[0, 1] if boolean else None,
+                            help=f"MonoOptions.{name} (default: mono.default_options(S)'s)")
     parser.add_argument("--grids", type=int, nargs="*", default=[132, 100, 66, 1])
     parser.add_argument("--occupy-sms", type=int, default=66, help="0: no co-occupying kernel case")
     parser.add_argument("--layers-tokens", type=int, nargs="*", default=[1],

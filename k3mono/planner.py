@@ -246,11 +246,13 @@ the tl.dot path a task needs 16 rows: at S = 16 and TP8 the router
 is 7 tasks of 229 KB, 20.6 us each, and the latent down-projection 28 such tasks,
 alone on the latency chain from x to the experts while some 300 CTAs wait (the
 trace at 292242e, an H100, docs/PERF.md). By groups the router is 56 row tiles
-of ROUTER_ROWS times S / 4 groups (224 tasks of 29 KB at S = 16). Not yet timed
-on a GPU (benchmarks/device_session.sh x_groups), so off, for the mono launch
-too; offline sm_90a builds of the mono kernel at TP8 keep their registers (255
-at S = 8, 168 at S = 16) with 7 and 99 stack loads and stores in the task loop
-(8 and 76 without), none in a step loop."""
+of ROUTER_ROWS times S / 4 groups (224 tasks of 29 KB at S = 16). Measured
+on an H100 (the mono defaults against it, docs/PERF.md): S = 16 334.8 against
+345.0 us, S = 8 212.6 against 214.9; the route comes 8 us sooner at S = 16 but
+the gate/up phase still holds the launch. Off, for the mono launch too.
+Offline sm_90a builds of the mono kernel at TP8 keep their registers (255 at
+S = 8, 168 at S = 16) with 7 and 99 stack loads and stores in the task loop (8
+and 76 without), none in a step loop."""
 
 BACK_BLOCK_DV = 32
 BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
@@ -790,14 +792,16 @@ class MonoOptions:
     runs the latent up-projection: only that part (K = L/T) stays behind the
     AR2 -> latent norm chain. The wait for the latent is the task's own
     (Wait.in_task; a trace's FINAL run time then includes it). The same sums
-    (routed + shared, added once both are done).
+    (routed + shared, added once both are done). Measured slower on an H100
+    (S = 1 77.6 against 75.3 us: its tasks compete with the last down tasks): off.
     prefetch_shared (a build-key bit, ``bits()``): PREFETCH_SHARED tasks right
     after LATENT_DOWN in the table, each asking the copy engine for one shared
     gate/up task's weight rows (as PREFETCH_FINAL for FINAL): taken while the
     AR1 -> seam -> route chain leaves HBM nearly idle (the S = 1 trace: only the
     router and latent rows, 8 MB, stream from 10 to 27 us), so the shared
     tasks then read L2 (at S = 1 they ran 18.5 us each, a memory round trip a
-    step, through the expert phase). The same sums.
+    step, through the expert phase). The same sums. Measured slower on an H100
+    (with final_split, S = 1 79.4 against 77.6 us): off.
     prefetch_final_early (a build-key bit, ``bits()``; needs prefetch_final): the
     PREFETCH_FINAL tasks right after LATENT_DOWN instead of after the expert
     down-projections, so FINAL's 17 MB (TP8) stream while the AR1 -> seam ->
