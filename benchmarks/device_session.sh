@@ -30,7 +30,7 @@
 # x_groups: the router and latent down by groups of tokens, timed and checked; final_split: FINAL's shared part
 # before its wait for the latent and the shared weights prefetched early, timed (final_split_check: checked, and
 # the S = 1 trace); options_ab / options_check: the timing / checking halves of x_groups and final_split,
-# one call each; latent_parts: the two-step latent norm checked, FINAL's prefetch early and 3 CTAs a SM at
+# one call each; x_groups8: the router and latent down by groups of 8 tokens checked and timed; latent_parts: the two-step latent norm checked, FINAL's prefetch early and 3 CTAs a SM at
 # S = 1 timed, the traces; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
@@ -197,6 +197,17 @@ for s in $STEPS; do
             --also x_token_groups=1
         step x_groups_check 160 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 16 6 \
             --x-token-groups 1 --grids --occupy-sms 0 --layers-tokens ;;
+    x_groups8)  # the router and latent down on the FMA path by groups of 8 tokens (TileChoice.x_group_tokens):
+        # checked (loopback T = 8, S = 8: one group, 13: the last shifted back), timed against the defaults at S = 8
+        # and 16 and at other router / latent rows, and the S = 8 trace
+        step x8_check 150 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 8 13 --x-token-groups 1 \
+            --x-group-tokens 8 --grids 132 --occupy-sms 0
+        step x8_ab 200 python3 benchmarks/defaults_ab.py --field x_token_groups --values 0 1 --tokens 8 16 \
+            --also x_group_tokens=8
+        step x8_rows 150 python3 benchmarks/defaults_ab.py --field latent_rows --values 8 2 --tokens 8 \
+            --also x_token_groups=1 x_group_tokens=8 router_rows=1
+        step x8_trace 80 python3 benchmarks/mono_trace.py --tokens 8 --set x_token_groups=1 x_group_tokens=8 \
+            --out "$RESULTS" ;;
     final_split)  # FINAL's shared down-projection before its own wait for the latent (MonoOptions.final_split),
         # and the shared weights into L2 while the chain settles (prefetch_shared): timed against the defaults at
         # S = 1 (shared tasks late, the default, and early), 8 and 16

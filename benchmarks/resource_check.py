@@ -3,6 +3,7 @@ their sm_90a builds without a GPU (k3mono/offline.py).
 
     PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback]
         [--gate-up-rows 32] [--down-rows 32] [--prefetch 0] [--expert-mma] [--expert-f16 1] [--ctas-per-sm 3]
+        [--tiles x_token_groups=1 x_group_tokens=8]
     PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
 
 For the mono kernel: registers, spills (and whether the task loop or a step
@@ -26,7 +27,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # real builds, not the interpreter
 
 from k3mono import offline  # noqa: E402
 from k3mono.config import preset  # noqa: E402
-from k3mono.mono import DEFAULT_PREFETCH, default_ctas_per_sm, default_tiles  # noqa: E402
+from k3mono.mono import DEFAULT_PREFETCH, default_ctas_per_sm, default_options_with, parse_option_fields  # noqa: E402
 
 M1C_SPLITS = {1: 264, 4: 66, 16: 16}  # bench_mla.fused_splits at 132 SMs
 M1C_CONTEXT = 2048  # the build does not depend on it (runtime lengths)
@@ -71,6 +72,7 @@ def main() -> int:
     parser.add_argument("--ctas-per-sm", type=int, default=None,
                         help="CTAs a SM the mono build plans, its registers capped to keep them resident "
                              "(default: mono.default_ctas_per_sm(S))")
+    parser.add_argument("--tiles", nargs="*", default=[], help="NAME=VALUE: more TileChoice fields")
     parser.add_argument("--m1c-alone", action="store_true", help="M1c launched alone instead (fp8 and bf16 cache)")
     args = parser.parse_args()
     if args.m1c_alone:
@@ -81,8 +83,9 @@ def main() -> int:
     prefetch = DEFAULT_PREFETCH if args.prefetch is None else args.prefetch
     for tokens in args.tokens:
         given = {"gate_up_rows": args.gate_up_rows, "down_rows": args.down_rows, "expert_mma": args.expert_mma or None,
-                 "expert_f16": None if args.expert_f16 is None else bool(args.expert_f16)}
-        tiles = default_tiles(tokens, **{k: v for k, v in given.items() if v is not None})
+                 "expert_f16": args.expert_f16}
+        fields = {**{name: int(v) for name, v in given.items() if v is not None}, **parse_option_fields(args.tiles)}
+        tiles = default_options_with(tokens, fields).tiles
         ctas = default_ctas_per_sm(tokens) if args.ctas_per_sm is None else args.ctas_per_sm
         compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles,
                                              prefetch=prefetch, ctas_per_sm=ctas)

@@ -30,11 +30,12 @@ PLAN_TILE_KNOBS = {
     "dense_step_kb": "KB of weight a dense GEMV task loads a step",
     "gate_up_rows": "output rows of an MXFP4 gate/up task",
     "down_rows": "output rows of an MXFP4 down task",
-    "router_rows": "rows of a router task on the FMA path, S <= 4",
-    "latent_rows": "rows of a latent down-projection task on the FMA path, S <= 4",
+    "router_rows": "rows of a router task on the FMA path (S <= 4, or --x-token-groups)",
+    "latent_rows": "rows of a latent down-projection task on the FMA path (S <= 4, or --x-token-groups)",
     "shared_rows": "rows of a shared-expert gate/up task on the FMA path, S <= 4",
     "oproj_rows": "rows of an o_proj task",
     "final_rows": "rows of a FINAL task",
+    "x_group_tokens": "tokens a router / latent down group takes with --x-token-groups: 4 or 8",
 }
 """TileChoice fields ``plan`` takes as flags; each left out is the mono launch's
 measured default for the S asked (mono.default_options), as are --ctas-per-sm and
@@ -44,7 +45,7 @@ PLAN_OPTION_SWITCHES = {
     "final_split": "FINAL's shared down-projection before its own wait for the latent",
     "prefetch_shared": "L2-prefetch the shared gate/up weights right after the latent down tasks",
     "prefetch_final_early": "L2-prefetch FINAL's weights right after the latent down tasks, not after the experts",
-    "x_token_groups": "S > 4: the router and latent down tasks by groups of 4 tokens (a TileChoice field)",
+    "x_token_groups": "S > 4: the router and latent down tasks on the FMA path by groups of tokens (a TileChoice field)",
 }
 """MonoOptions (and TileChoice) switches ``plan`` takes as --NAME / --no-NAME (left out:
 the default, as above)."""

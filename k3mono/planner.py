@@ -53,6 +53,11 @@ DOT_MIN_TOKENS = 16
 FMA_MAX_TOKENS = 4
 """The most tokens the dense GEMVs serve with CUDA-core FMAs; above, tl.dot."""
 
+X_FMA_MAX_TOKENS = 8
+"""The most tokens a router or latent down task serves with FMAs (their token
+groups, TileChoice.x_group_tokens; kernels/gemv.py FMA_MAX_SP): a tl.dot task
+needs 16 weight rows and streams them alone, a FMA task needs 1 to 8."""
+
 FMA_TILE = (8, 512)
 """(rows, block_k) of a dense GEMV task on the FMA path: 8 KB of bf16 weight a step."""
 
@@ -238,10 +243,13 @@ def expert_mma_tile(out_dim: int) -> GemvTile:
 
 
 X_TOKEN_GROUPS = False
+X_GROUP_TOKENS = FMA_MAX_TOKENS
+X_GROUP_TOKENS_CHOICES = (FMA_MAX_TOKENS, X_FMA_MAX_TOKENS)
 """Above FMA_MAX_TOKENS tokens, the router and the latent down-projection (the
 two GEMVs of x that gate the experts) on the FMA path by groups of
-FMA_MAX_TOKENS tokens (TileChoice.x_token_groups): a task per (row tile, group),
-a tile's first group reading its weight rows from HBM, the others from L2. On
+X_GROUP_TOKENS tokens (TileChoice.x_token_groups, TileChoice.x_group_tokens: 4
+or 8; S when fewer): a task per (row tile, group), a tile's first group reading
+its weight rows from HBM, the others from L2. On
 the tl.dot path a task needs 16 rows: at S = 16 and TP8 the router
 is 7 tasks of 229 KB, 20.6 us each, and the latent down-projection 28 such tasks,
 alone on the latency chain from x to the experts while some 300 CTAs wait (the
@@ -249,10 +257,13 @@ trace at 292242e, an H100, docs/PERF.md). By groups the router is 56 row tiles
 of ROUTER_ROWS times S / 4 groups (224 tasks of 29 KB at S = 16). Measured
 on an H100 (the mono defaults against it, docs/PERF.md): S = 16 334.8 against
 345.0 us, S = 8 212.6 against 214.9; the route comes 8 us sooner at S = 16 but
-the gate/up phase still holds the launch. Off, for the mono launch too.
+the latent down tasks (224 of 8 rows, 16 us each) then gate the experts as
+late as before. Off, for the mono launch too.
 Offline sm_90a builds of the mono kernel at TP8 keep their registers (255 at
 S = 8, 168 at S = 16) with 7 and 99 stack loads and stores in the task loop (8
-and 76 without), none in a step loop."""
+and 76 without), none in a step loop. Groups of 8 tokens (X_FMA_MAX_TOKENS)
+take S = 8 in one group: every weight row read once, with the row counts of
+S = 1 (fewer rows a task: TileChoice.router_rows, latent_rows)."""
 
 BACK_BLOCK_DV = 32
 BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
@@ -284,6 +295,7 @@ class TileChoice:
     expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
     expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
     x_token_groups: bool = X_TOKEN_GROUPS  # above FMA_MAX_TOKENS: router and latent down by groups of tokens
+    x_group_tokens: int = X_GROUP_TOKENS  # tokens such a group takes (X_GROUP_TOKENS_CHOICES)
 
     def check(self) -> None:
         for name in ("dense_step_kb", "shared_step_kb"):
@@ -300,6 +312,9 @@ class TileChoice:
             raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
         if self.latent_rows not in LATENT_ROWS_CHOICES:
             raise K3InputError(f"tiles.latent_rows: expected one of {LATENT_ROWS_CHOICES}, got {self.latent_rows!r}")
+        if self.x_group_tokens not in X_GROUP_TOKENS_CHOICES:
+            raise K3InputError(f"tiles.x_group_tokens: expected one of {X_GROUP_TOKENS_CHOICES}, "
+                               f"got {self.x_group_tokens!r}")
         if self.shared_rows not in SHARED_ROWS_CHOICES:
             raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
         for name in ("expert_lookahead", "expert_mma", "expert_f16", "x_token_groups"):
@@ -383,7 +398,8 @@ class StageGeometry:
     score_cols: int  # columns of H a seam score chunk covers (SEAM_SCORE_COLS)
     route_chunk: int  # experts a route part sorts (ROUTE_CHUNK)
     latent_part: int  # columns of L a latent-norm part sums (LATENT_PART_COLS)
-    x_group: int  # tokens a router / latent down task takes (X_TOKEN_GROUPS): S, or FMA_MAX_TOKENS
+    x_group: int  # tokens a router / latent down task takes (X_TOKEN_GROUPS): S, or a group's
+    x_group_dot: bool  # whether the router and latent down tasks run tl.dot (else FMAs)
     # Warps of the latent norm's second step (staged launch): on the latency chain,
     # one CTA keeps a token's T partial slots of its L/T columns in flight at once.
     latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
@@ -395,14 +411,9 @@ class StageGeometry:
         return -(-self.tokens // self.x_group)
 
     @property
-    def x_group_dot(self) -> bool:
-        """Whether the router and latent down tasks run tl.dot (else FMAs)."""
-        return self.x_group > FMA_MAX_TOKENS
-
-    @property
     def x_group_pad(self) -> int:
         """The router and latent down tiles' token extent (SP of their gemv_tile)."""
-        return self.tokens_pad if self.x_group == self.tokens else next_pow2(self.x_group)
+        return self.tokens_pad if self.x_group_dot else next_pow2(self.x_group)
 
 
 @dataclass(frozen=True)
@@ -548,8 +559,8 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
     step_kb = tiles.dense_step_kb
     H, C, E, L, I, SI = cfg.matrix_dims
     use_dot = tokens > FMA_MAX_TOKENS
-    x_group = FMA_MAX_TOKENS if use_dot and tiles.x_token_groups else tokens
-    x_dot = x_group > FMA_MAX_TOKENS
+    x_dot = use_dot and not tiles.x_token_groups
+    x_group = min(tokens, tiles.x_group_tokens) if use_dot and tiles.x_token_groups else tokens
     return StageGeometry(
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
@@ -570,6 +581,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         route_chunk=route_chunk(E, cfg.num_experts_per_token),
         latent_part=latent_part_cols(L),
         x_group=x_group,
+        x_group_dot=x_dot,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from k3mono.config import preset
-from k3mono.planner import TileChoice, seam_candidates_max, stage_geometry
+from k3mono.planner import X_GROUP_TOKENS, TileChoice, seam_candidates_max, stage_geometry
 from k3mono.reference import BF16
 from k3mono.reference import stages as st
 from k3mono.reference.tp import combine, core_slice, latent_slice
@@ -192,17 +192,21 @@ def seam_scratch(cfg, S, geom) -> dict:
 
 GEOMETRIES = {"planned": lambda g: g, "narrow": narrow}
 
-X_GROUP_CASES = [("tiny", 2, 6, "grouped"), ("tiny", 4, 16, "grouped"), ("small", 8, 9, "grouped")]
+X_GROUP_CASES = [("tiny", 2, 6, "grouped"), ("tiny", 4, 16, "grouped"), ("small", 8, 9, "grouped"),
+                 ("tiny", 2, 8, "grouped8"), ("tiny", 4, 7, "grouped8"), ("small", 8, 13, "grouped8")]
 """Token counts past FMA_MAX_TOKENS with the router and latent down by groups of
-tokens (TileChoice.x_token_groups); 6 and 9 end in a group whose window shifts back."""
+4 or 8 tokens (TileChoice.x_token_groups, x_group_tokens); 6, 9 and 13 end in a
+group whose window shifts back; 7 and 8 are one group of 8 (every FMA
+accumulator of the tile, 7 with a padding token)."""
 
 
 def x_geometry(cfg, tp: int, S: int, geo: str):
     """The geometry of the router and latent down cases: GEOMETRIES', or by token groups."""
-    if geo != "grouped":
+    if not geo.startswith("grouped"):
         return GEOMETRIES[geo](stage_geometry(cfg, tp, S))
-    geom = stage_geometry(cfg, tp, S, tiles=TileChoice(x_token_groups=True))
-    assert geom.x_groups > 1 and not geom.x_group_dot
+    group = int(geo.removeprefix("grouped") or X_GROUP_TOKENS)
+    geom = stage_geometry(cfg, tp, S, tiles=TileChoice(x_token_groups=True, x_group_tokens=group))
+    assert geom.x_group == min(S, group) and geom.x_groups == -(-S // group) and not geom.x_group_dot
     return geom
 
 

@@ -580,26 +580,27 @@ def test_wider_hidden_tasks_stay_within_budget_and_loopback_pushes_the_same_tile
         assert same_bits(runner.result(rank), runner._staged.result(rank)), f"rank {rank}: mono and staged differ"
 
 
-X_GROUP_CASES = [(2, 6, False), (1, 9, True)]
+X_GROUP_CASES = [(2, 6, 4, False), (1, 9, 4, True), (2, 8, 8, False)]
 
 
-@pytest.mark.parametrize("tp,tokens,split", X_GROUP_CASES,
-                         ids=[f"T{t}-S{s}-split{int(x)}" for t, s, x in X_GROUP_CASES])
-def test_router_and_latent_down_by_token_groups_stay_within_budget_and_match_staged(tp, tokens, split):
+@pytest.mark.parametrize("tp,tokens,group,split", X_GROUP_CASES,
+                         ids=[f"T{t}-S{s}-G{g}-split{int(x)}" for t, s, g, x in X_GROUP_CASES])
+def test_router_and_latent_down_by_token_groups_stay_within_budget_and_match_staged(tp, tokens, group, split):
     """TileChoice.x_token_groups: past FMA_MAX_TOKENS tokens the router and latent
-    down tasks run FMAs on groups of 4 tokens (the last group's window shifted
-    back to end at S: 6 and 9 are not multiples of 4), summing otherwise than
-    tl.dot: the launch stays within the reference's budget, every task's rows
-    land once (the buffers are poisoned), and the staged path at the same tiles
-    gives the same bits on every rank; so it does with final_split and
-    prefetch_shared on too (``split``)."""
+    down tasks run FMAs on groups of 4 or 8 tokens (x_group_tokens; the last
+    group's window shifted back to end at S: 6 and 9 are not multiples of 4; 8
+    is one group), summing otherwise than tl.dot: the launch stays within the
+    reference's budget, every task's rows land once (the buffers are poisoned),
+    and the staged path at the same tiles gives the same bits on every rank; so
+    it does with final_split and prefetch_shared on too (``split``)."""
     cfg, layer = preset("tiny"), 13
     shards = shard_all(layer_weights(), cfg, tp)
     inputs = random_inputs(cfg, tokens, layer, seed=47 + tokens)
-    options = MonoOptions(tiles=TileChoice(x_token_groups=True), final_split=split, prefetch_shared=split)
+    tiles = TileChoice(x_token_groups=True, x_group_tokens=group)
+    options = MonoOptions(tiles=tiles, final_split=split, prefetch_shared=split)
     runner = MonoRunner(cfg, shards, tokens, layer, options=options)
     geometry = runner.compiled.table.geometry
-    assert geometry.x_groups == -(-tokens // 4) and not geometry.x_group_dot and geometry.use_dot
+    assert geometry.x_groups == -(-tokens // group) and not geometry.x_group_dot and geometry.use_dot
     got = runner(**inputs)
     check_against_reference(cfg, shards, inputs, layer, got)
     staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)

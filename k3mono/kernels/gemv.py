@@ -43,7 +43,7 @@ import triton.language as tl
 from .common import as_f32, dot_acc
 
 VEC = tl.constexpr(8)  # bf16 values in one 16-byte load: the run a thread holds
-FMA_MAX_SP = tl.constexpr(4)  # tokens the FMA path keeps accumulators for (planner.FMA_MAX_TOKENS)
+FMA_MAX_SP = tl.constexpr(8)  # tokens the FMA path keeps accumulators for (planner.X_FMA_MAX_TOKENS)
 
 
 @triton.jit
@@ -103,6 +103,17 @@ def _fold(
 
 
 @triton.jit
+def _token_row(
+    tok,  # [SP] int32 token indices
+    t: tl.constexpr,  # the token whose sums these are
+    partial,  # [ROWS, BLOCK_K / VEC] fp32: its per-thread partial sums
+    acc,  # [SP, ROWS] fp32
+):
+    """acc with row t replaced by the partial sums summed across lanes and warps."""
+    return tl.where(tok[:, None] == t, tl.sum(partial, axis=1)[None, :], acc)
+
+
+@triton.jit
 def gemv_tile(
     x_ptr,  # [S, K] bf16, row stride stride_xs, unit column stride
     stride_xs,
@@ -145,6 +156,10 @@ def gemv_tile(
         p1 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p2 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p3 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
+        p4 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
+        p5 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
+        p6 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
+        p7 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         # Double-buffered in registers: the next step's weights are in flight
         # while this step's FMAs run (the dot path gets the same from Triton's
         # pipeliner; this path has no shared-memory staging to pipeline).
@@ -159,13 +174,29 @@ def gemv_tile(
                 p2 += _fold(w, x_ptr + 2 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
             if S > 3:
                 p3 += _fold(w, x_ptr + 3 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
-        acc = tl.where(tok[:, None] == 0, tl.sum(p0, axis=1)[None, :], 0.0)
+            if S > 4:
+                p4 += _fold(w, x_ptr + 4 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+            if S > 5:
+                p5 += _fold(w, x_ptr + 5 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+            if S > 6:
+                p6 += _fold(w, x_ptr + 6 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+            if S > 7:
+                p7 += _fold(w, x_ptr + 7 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+        acc = _token_row(tok, 0, p0, tl.zeros([SP, ROWS], dtype=tl.float32))
         if S > 1:
-            acc = tl.where(tok[:, None] == 1, tl.sum(p1, axis=1)[None, :], acc)
+            acc = _token_row(tok, 1, p1, acc)
         if S > 2:
-            acc = tl.where(tok[:, None] == 2, tl.sum(p2, axis=1)[None, :], acc)
+            acc = _token_row(tok, 2, p2, acc)
         if S > 3:
-            acc = tl.where(tok[:, None] == 3, tl.sum(p3, axis=1)[None, :], acc)
+            acc = _token_row(tok, 3, p3, acc)
+        if S > 4:
+            acc = _token_row(tok, 4, p4, acc)
+        if S > 5:
+            acc = _token_row(tok, 5, p5, acc)
+        if S > 6:
+            acc = _token_row(tok, 6, p6, acc)
+        if S > 7:
+            acc = _token_row(tok, 7, p7, acc)
         return acc
 
 
