@@ -30,7 +30,8 @@
 # x_groups: the router and latent down by groups of tokens, timed and checked; final_split: FINAL's shared part
 # before its wait for the latent and the shared weights prefetched early, timed (final_split_check: checked, and
 # the S = 1 trace); options_ab / options_check: the timing / checking halves of x_groups and final_split,
-# one call each; x_groups8: the router and latent down by groups of 8 tokens checked and timed; latent_parts: the two-step latent norm checked, FINAL's prefetch early and 3 CTAs a SM at
+# one call each; parts_check: the two-step latent norm at S = 16 and grid 1; rows_s1: the router and latent rows
+# at S = 1; x_groups8: the router and latent down by groups of 8 tokens checked and timed; latent_parts: the two-step latent norm checked, FINAL's prefetch early and 3 CTAs a SM at
 # S = 1 timed, the traces; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
@@ -197,6 +198,14 @@ for s in $STEPS; do
             --also x_token_groups=1
         step x_groups_check 160 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 16 6 \
             --x-token-groups 1 --grids --occupy-sms 0 --layers-tokens ;;
+    parts_check)  # the two-step latent norm where latent_parts left it unchecked: S = 16 and S = 1 at grids of 132 and
+        # 1 CTAs, T = 8 (loopback) and 1 (mono only)
+        step parts_check 200 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 16 1 --grids 132 1 \
+            --occupy-sms 0 ;;
+    rows_s1)  # S = 1: router rows 2 / 1, then latent rows 8 / 4 with 1 router row (the mono defaults otherwise)
+        step router_rows_s1 110 python3 benchmarks/defaults_ab.py --field router_rows --values 2 1 --tokens 1
+        step latent_rows_s1 110 python3 benchmarks/defaults_ab.py --field latent_rows --values 8 4 --tokens 1 \
+            --also router_rows=1 ;;
     x_groups8)  # the router and latent down on the FMA path by groups of 8 tokens (TileChoice.x_group_tokens):
         # checked (loopback T = 8, S = 8: one group, 13: the last shifted back), timed against the defaults at S = 8
         # and 16 and at other router / latent rows, and the S = 8 trace
