@@ -262,8 +262,13 @@ late as before. Off, for the mono launch too.
 Offline sm_90a builds of the mono kernel at TP8 keep their registers (255 at
 S = 8, 168 at S = 16) with 7 and 99 stack loads and stores in the task loop (8
 and 76 without), none in a step loop. Groups of 8 tokens (X_FMA_MAX_TOKENS)
-take S = 8 in one group: every weight row read once, with the row counts of
-S = 1 (fewer rows a task: TileChoice.router_rows, latent_rows)."""
+take S = 8 in one group, every weight row read once (offline: 255 registers at
+S = 8 with 7 task-loop stack accesses, 168 at S = 16 with 119). Measured on an
+H200 (08d74d5, docs/PERF.md): S = 8 204.1, 203.4 against 201.3, 201.9 us;
+S = 16 314.7, 314.3 against 308.9, 309.6; with 1 router row, latent rows 8 / 2
+at S = 8 202.3, 202.1 / 202.6, 202.7. Eight tokens' FMAs make the tasks
+compute-bound (the S = 8 trace: 13.7 us a 2-row router task, 18.2 a latent
+task, the route at 41.9 us): off."""
 
 BACK_BLOCK_DV = 32
 BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
