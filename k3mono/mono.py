@@ -202,14 +202,30 @@ defaults, docs/PERF.md): 72.7 (8 KB) -> 71.1 (16) and 72.4 (32, which spills
 gained nothing: 72.7 both."""
 
 
+SINGLE_TOKEN_ROUTER_ROWS = 1
+SINGLE_TOKEN_LATENT_ROWS = 4
+"""Router and latent down task rows of the mono launch at S = 1 (the other sizes
+keep DEFAULT_TILES' 2 and 8): 112 router tasks of 14 KB and 112 latent tasks of
+57 KB, each a shorter chain of memory round trips on the path from x to the
+experts (the S = 1 trace at 80f0b49, an H200: 3.5 us a 2-row router task, 8.7 a
+8-row latent task, the latent done with the route). Measured on one H200
+(benchmarks/defaults_ab.py, docs/PERF.md), us: router rows 2 / 1 at 8 latent rows
+70.0, 69.9 / 69.3, 69.6; latent rows 8 / 4 at 1 router row 69.1, 69.5 / 68.3, 68.7
+and again 69.2, 69.4 / 68.3, 68.5; router rows 2 / 1 at 4 latent rows 68.8, 69.1
+/ 68.3, 68.5. An earlier H200 had 74.3 (2 / 8) against 73.4 (1 / 4)
+(planner.LATENT_ROWS); at S = 2 and 4 one router row was slower there."""
+
+
 def default_tiles(tokens: int, **given) -> TileChoice:
-    """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows
-    and SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step; any field in ``given``
+    """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows,
+    SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step and SINGLE_TOKEN_ROUTER_ROWS /
+    SINGLE_TOKEN_LATENT_ROWS router / latent rows; any field in ``given``
     overrides its default. The tensor-core experts read mma order, so asking for
     them drops the default f16 sums (the other order) unless expert_f16 is given too."""
     tiles = DEFAULT_TILES
     if tokens == 1:
-        tiles = dataclasses.replace(tiles, down_rows=SINGLE_TOKEN_DOWN_ROWS, shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB)
+        tiles = dataclasses.replace(tiles, down_rows=SINGLE_TOKEN_DOWN_ROWS, shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB,
+                                    router_rows=SINGLE_TOKEN_ROUTER_ROWS, latent_rows=SINGLE_TOKEN_LATENT_ROWS)
     if given.get("expert_mma"):
         given = {"expert_f16": False, **given}
     return dataclasses.replace(tiles, **given)

@@ -107,7 +107,9 @@ shorter tasks of the same bytes a step, as ROUTER_ROWS. Measured on one H200
 S = 1 2 / 8 74.3 us, 2 / 4 74.4, 2 / 2 74.1, 1 / 8 75.0, 1 / 4 73.4, 1 / 2 75.2;
 S = 2 and 4 2 / 8 98.3 and 141.4, 2 / 2 98.8 and 143.9, 1 / 8 111.6 and 155.5,
 1 / 2 98.8 and 143.0: within a run's spread or slower, so 8 stays (the route's
-own chain sets when the experts start)."""
+own chain sets when the experts start). At S = 1 the mono launch takes 1 router
+and 4 latent rows (mono.SINGLE_TOKEN_ROUTER_ROWS, SINGLE_TOKEN_LATENT_ROWS:
+68.3 to 68.7 us against 69.1 to 70.0 on an H200, docs/PERF.md)."""
 
 SEAM_COLS = 512
 SEAM_MIN_CHUNKS = 2

@@ -20,7 +20,8 @@ import triton
 
 from k3mono.config import preset
 from k3mono.errors import K3InputError
-from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
+from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_LATENT_ROWS,
+                         SINGLE_TOKEN_ROUTER_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
                          MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_options, default_options_with,
                          default_tiles, mono_key, parse_option_fields,
                          peer_regions, scratch_regions)
@@ -430,8 +431,8 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
 
 def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_only():
     """The measured defaults (mono.default_options): the expert loops summing in f16
-    at every S; S = 1 takes SINGLE_TOKEN_DOWN_ROWS
-    down rows, SINGLE_TOKEN_SHARED_STEP_KB a shared step and SHARED_GU after
+    at every S; S = 1 takes SINGLE_TOKEN_DOWN_ROWS down rows, SINGLE_TOKEN_ROUTER_ROWS
+    router and SINGLE_TOKEN_LATENT_ROWS latent rows, SINGLE_TOKEN_SHARED_STEP_KB a shared step and SHARED_GU after
     EXPERT_GU, every other S DEFAULT_TILES and the planner's order; every S the
     FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the expert weights evict_first;
     from MANY_CTAS_MIN_TOKENS 3 CTAs a SM under a register cap that keeps them
@@ -439,7 +440,8 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     cfg = preset("kimi-k3")
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
-                                    shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB) != DEFAULT_TILES
+                                    shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB, router_rows=SINGLE_TOKEN_ROUTER_ROWS,
+                                    latent_rows=SINGLE_TOKEN_LATENT_ROWS) != DEFAULT_TILES
     assert keys[2].tiles == keys[4].tiles == keys[8].tiles == keys[16].tiles == DEFAULT_TILES
     assert all(k.tiles.expert_f16 for k in keys.values())  # EXPERT_F16_SUMS: one expert order at every S
     assert [k.options.shared_late for k in keys.values()] == [True, False, False, False, False]
