@@ -45,7 +45,7 @@ PLAN_OPTION_SWITCHES = {
     "final_split": "FINAL's shared down-projection before its own wait for the latent",
     "prefetch_shared": "L2-prefetch the shared gate/up weights right after the latent down tasks",
     "prefetch_final_early": "L2-prefetch FINAL's weights right after the latent down tasks, not after the experts",
-    "x_token_groups": "S > 4: the router and latent down tasks on the FMA path by groups of tokens (a TileChoice field)",
+    "x_token_groups": "S > 4: the router and latent down tasks on the FMA path by token groups (a TileChoice field)",
 }
 """MonoOptions (and TileChoice) switches ``plan`` takes as --NAME / --no-NAME (left out:
 the default, as above)."""
