@@ -25,9 +25,10 @@ Scratch of a rank (only that rank reads and writes it):
     split_lse  [splits, S, heads_r]     fp32   their log-sum-exps   (only with M1C tasks)
 
 P = ceil(E / planner.route_chunk) route parts, K_PAD = K rounded up to a power
-of two; PL = ceil(L / planner.latent_part_cols) latent parts; CH = ceil(H / planner.seam_cols(H)) seam chunks, PCH = ceil(H /
-planner.SEAM_SCORE_COLS) score chunks; CP = planner.seam_candidates_max
-(the model's widest seam), so one layout serves every layer.
+of two; PL = ceil(L / planner.latent_part_cols) latent parts; CH = ceil(H /
+planner.seam_cols(H)) seam chunks, PCH = ceil(H / planner.SEAM_SCORE_COLS)
+score chunks; CP = planner.seam_candidates_max (the model's widest seam), so
+one layout serves every layer.
 
 The split outputs are the launch's own: written by its M1C tasks, read by its
 M1B tasks a few microseconds later (an L2 round trip), so the host neither
