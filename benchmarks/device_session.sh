@@ -34,6 +34,7 @@
 # at S = 1; x_groups8: the router and latent down by groups of 8 tokens checked and timed; latent_parts: the two-step latent norm checked, FINAL's prefetch early and 3 CTAs a SM at
 # S = 1 timed, the traces; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
+# norm_scale: the latent norm's scale in FINAL checked, timed against the tree in $K3MONO_BASE, traced;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -146,8 +147,8 @@ for s in $STEPS; do
             --out "$RESULTS" ;;
     m1b_double)  # S = 1, M1b folded in: its M1B and OPROJ tasks run twice in a row (first-of-kind costs)
         step mono_trace_m1b_double 150 python3 benchmarks/mono_trace.py --tokens 1 --m1b --double M1B OPROJ ;;
-    trace_double)  # S = 1: the route and the latent norm run twice in a row (first-of-kind costs)
-        step mono_trace_double 200 python3 benchmarks/mono_trace.py --tokens 1 --double ROUTE LATENT_NORM ;;
+    trace_double)  # S = 1: the route and the latent norm's parts run twice in a row (first-of-kind costs)
+        step mono_trace_double 200 python3 benchmarks/mono_trace.py --tokens 1 --double ROUTE LATENT_PART ;;
     defaults)  # the mono defaults against their alternatives (expert rows, pause between polls), S = 1 and 8
         step mono_defaults 200 python3 benchmarks/mono_sweep.py --tokens 1 8 --ctas 2 --prefetch 0 --down-rows 32 16 \
             --poll-sleep-ns 0 250
@@ -206,6 +207,17 @@ for s in $STEPS; do
         step router_rows_s1 110 python3 benchmarks/defaults_ab.py --field router_rows --values 2 1 --tokens 1
         step latent_rows_s1 110 python3 benchmarks/defaults_ab.py --field latent_rows --values 8 4 --tokens 1 \
             --also router_rows=1 ;;
+    norm_scale)  # the latent norm's scale in FINAL (no LATENT_NORM task): checked, mono and staged (T = 1 and
+        # loopback T = 8, S = 1, 8 and 16, grids of 132 and 1 CTAs); timed against the tree unpacked in
+        # $K3MONO_BASE (the commit before), alternating, twice; the S = 1 and 8 traces
+        step norm_scale_check 200 python3 benchmarks/gpu_check.py --tp 8 1 --tokens 1 8 16 --grids 132 1 --occupy-sms 0
+        for round in 1 2; do
+            step "norm_scale_base_$round" 110 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && PYTHONPATH=\$PWD python3 \
+                benchmarks/defaults_ab.py --field poll_sleep_ns --values 0 --tokens 1 8 --rounds 1"
+            step "norm_scale_new_$round" 110 python3 benchmarks/defaults_ab.py --field poll_sleep_ns --values 0 \
+                --tokens 1 8 --rounds 1
+        done
+        step norm_scale_trace 90 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
     x_groups8)  # the router and latent down on the FMA path by groups of 8 tokens (TileChoice.x_group_tokens):
         # checked (loopback T = 8, S = 8: one group, 13: the last shifted back), timed against the defaults at S = 8
         # and 16 and at other router / latent rows, and the S = 8 trace
@@ -238,7 +250,7 @@ for s in $STEPS; do
             --final-split 1 --prefetch-shared 1 --grids 132 1 --occupy-sms 0 --layers-tokens
         step final_split_trace 120 python3 benchmarks/mono_trace.py --tokens 1 --set final_split=1 prefetch_shared=1 \
             --out "$RESULTS" ;;
-    latent_parts)  # the latent norm in two steps (LATENT_PART, LATENT_NORM) checked, then timed with FINAL's
+    latent_parts)  # the latent norm in parts (LATENT_PART) checked, then timed with FINAL's
         # weights prefetched early (MonoOptions.prefetch_final_early) and at 3 CTAs a SM at S = 1 (168 registers
         # offline at b32ece9), and the traces at S = 1 and 8
         step latent_parts_check 200 python3 benchmarks/gpu_check.py --tp 8 1 --tokens 1 8 16 --grids 132 1 \

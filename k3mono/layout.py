@@ -16,7 +16,8 @@ Scratch of a rank (only that rank reads and writes it):
     route_keys [S, P, K_PAD] int64  each route part's top-K keys (kernels/route.py)
     expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
     latent_sq  [S, PL]       fp32   each latent part's sum of bf16(sum of AR2)^2 (kernels/latent_norm.py)
-    latent     [S, L/T]      bf16   the rank's columns of rms(bf16(sum of AR2), routed_expert_norm)
+    latent     [S, L/T]      bf16   the rank's columns of bf16(routed_expert_norm * bf16(sum of AR2)): the
+                                    norm's scale, from latent_sq, is FINAL's
     shared_act [S, SI/T]     bf16   situ of the shared experts, this rank's slice
     seam_part  [S, PCH, 2, CP] fp32 the AttnRes seam's per-score-chunk sums of V^2 and V . q
     seam_h     [S, H]        bf16   the seam's mix h, before its norm

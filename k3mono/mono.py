@@ -465,7 +465,7 @@ def build(key: MonoBuild) -> Compiled:
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
         EXPERT_DEQUANT=DEQUANT_F16 if key.tiles.expert_f16 else DEFAULT_DEQUANT,
-        VB=g.vector_block, CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
+        CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),
         BETA=float(cfg.situ_beta), LINEAR_BETA=float(cfg.situ_linear_beta),
         AR1_F=elems(data["ar1"][0], 4), LOG_F=elems(data["logits"][0], 4), Z_B=elems(data["z"][0], 2),

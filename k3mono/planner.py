@@ -150,20 +150,18 @@ def route_chunk(num_experts: int, top_k: int) -> int:
 LATENT_PART_COLS = 512
 LATENT_MIN_PARTS = 2
 """Columns of L a latent-norm part sums over the ranks (StageGeometry.latent_part,
-kernels/latent_norm.py): AR2 and the norm are two steps, a task per (token,
-part) for the sums of squares, then a task per token for the rank's columns,
-where one CTA summed the ranks over all of L (T * L * 4 = 114 KB at TP8) and
-ran 5.3 us at S = 1, on the launch's critical path (the traces of the
-twentieth session, an H100: the expert down-projection done at 59.3 us, the
-latent 65.1). 512 columns keep a part's loads at one 16-byte vector per rank
-slot and thread (4 warps): 7 parts at L = 3584, so each step is one memory
-round trip. Narrower configs get at least LATENT_MIN_PARTS parts (the small
-presets sum partials across parts, the last one partial, as the released one
-does); two, not more: the interpreter walks every task. Measured on an H100
-against the one task: neutral, S = 1 74.6 against 74.3 us, S = 8 209.4
-against 210.0 (the latent 5.3 us after the last down task instead of 5.8:
-each step pays a poll hop and a cold L2 round trip; docs/PERF.md); kept, as
-fast and with no CTA holding T * L * 4 bytes."""
+kernels/latent_norm.py): the norm is one step, a task per (token, part) that
+writes the part's sum of squares and, in the rank's columns, the weighted
+latent; FINAL applies the scale (a number a token) after its dot. One CTA
+summing the ranks over all of L (T * L * 4 = 114 KB at TP8) ran 5.3 us at
+S = 1 on the launch's critical path (an H100 trace of the twentieth session);
+parts of 512 columns keep a part's loads at one 16-byte vector per rank slot
+and thread (4 warps): 7 parts at L = 3584, each one memory round trip. The
+scale's deferral took out a norm task a token after the parts (2.0 us of the
+H200 trace at S = 1, 80f0b49, plus its poll hop). Narrower configs get at
+least LATENT_MIN_PARTS parts (the small presets sum partials across parts,
+the last one partial, as the released one does); two, not more: the
+interpreter walks every task."""
 
 
 def latent_part_cols(latent: int) -> int:
@@ -407,9 +405,6 @@ class StageGeometry:
     latent_part: int  # columns of L a latent-norm part sums (LATENT_PART_COLS)
     x_group: int  # tokens a router / latent down task takes (X_TOKEN_GROUPS): S, or a group's
     x_group_dot: bool  # whether the router and latent down tasks run tl.dot (else FMAs)
-    # Warps of the latent norm's second step (staged launch): on the latency chain,
-    # one CTA keeps a token's T partial slots of its L/T columns in flight at once.
-    latent_norm_warps: int = 8  # T x 1024 fp32 a chunk: one 16-byte load per rank slot and thread
     m1b: "M1bGeometry | None" = None  # the mono launch's M1b tasks (MonoOptions.m1b)
     m1c: "M1cGeometry | None" = None  # the mono launch's M1c tasks (MonoOptions.m1c)
 
@@ -661,14 +656,14 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #                 (option prefetch_final_early: right after LATENT_DOWN instead)
 #   LATENT_PART   per (token, part of L), all together at the end: each waits
 #                 for every rank's down-projection of its token, sums the ranks
-#                 over its part and writes the part's sum of squares;
-#                 interleaving them with EXPERT_DOWN would block CTAs mid-phase
-#                 for no gain (the last token's chain is the critical path
-#                 either way)
-#   LATENT_NORM   per token, after every part of it: the rank's L/T columns
-#                 summed again and normalised
-#   FINAL         latent up + shared down; its weights are issued before its
-#                 waits, so the first CTAs there stream while AR2 settles
+#                 over its part and writes the part's sum of squares and, in
+#                 the rank's L/T columns, the weighted latent; interleaving
+#                 them with EXPERT_DOWN would block CTAs mid-phase for no gain
+#                 (the last token's chain is the critical path either way)
+#   FINAL         latent up + shared down, after every part of every token
+#                 (the norm's scale from the parts' sums, applied after the
+#                 dot); its weights are issued before its waits, so the first
+#                 CTAs there stream while AR2 settles
 #                 (option final_split: the shared down first, then the wait
 #                 for the latent, polled by the task itself)
 #   REDUCE3       AR3 per (column tile, token), as REDUCE1
@@ -730,7 +725,7 @@ class TaskKind(enum.IntEnum):
     EXPERT_GU = 7
     EXPERT_DOWN = 8
     PREFETCH_FINAL = 9
-    LATENT_NORM = 10
+    # code 10 was a norm task after the latent parts (its scale is now FINAL's)
     FINAL = 11
     REDUCE3 = 12
     M1B = 13
@@ -755,14 +750,13 @@ class Flag(enum.IntEnum):
     ROUTED = 6  # [token]      route ids / weights written
     ACT = 7  # [token]         expert activations written
     AR2 = 8  # [token]         expert down partial rows arrived (peer)
-    LATENT_READY = 9  # [1]    latent norm written
+    LATENT_READY = 9  # [1]    latent parts' weighted columns and sums of squares written, every (token, part)
     AR3 = 10  # [reduce3 tile] final partial rows arrived        (peer)
     CORE = 11  # [1, 0 without M1B] the rank's core columns written (M1B)
     SPLITS = 12  # [1, 0 without M1C] the split outputs o / lse written (M1C)
     MIXED = 14  # [token]      seam h and its partial squares written, every chunk
     RANKED = 15  # [token]     route parts' top-K keys written, every part
     DISCARD = 16  # [1]        raised by a timing variant's task copies only; never awaited
-    SQUARED = 17  # [token]    latent parts' sums of squares written, every part
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
@@ -1126,6 +1120,15 @@ def _all_rows(lo: int, hi: int) -> tuple:
     return (slice(None), slice(lo, hi))
 
 
+def _latent_part_writes(table: TaskTable, task: Task, rank: int) -> list[Write]:
+    """A latent part's sum of squares, and its columns among the rank's L/T of the weighted latent."""
+    rank_cols = table.cfg.routed_expert_hidden_size // table.tp
+    lo, hi = (max(c - rank * rank_cols, 0) for c in task.span)
+    own = slice(min(lo, rank_cols), min(hi, rank_cols))
+    writes = [Write("latent_sq", False, (task.token, task.tile))]
+    return writes + ([Write("latent", False, (task.token, own))] if own.start < own.stop else [])
+
+
 def _split_writes(table: TaskTable, task: Task) -> list[Write]:
     """An M1C task's heads of one (split, token) in the launch's split outputs."""
     split = task.tile // table.geometry.m1c.head_blocks
@@ -1170,8 +1173,7 @@ _WRITES = {
     TaskKind.EXPERT_DOWN: lambda tb, t, r: [Write("ar2", True, (r, t.token, slice(*t.span)))],
     TaskKind.PREFETCH_FINAL: lambda tb, t, r: [],
     TaskKind.PREFETCH_SHARED: lambda tb, t, r: [],
-    TaskKind.LATENT_PART: lambda tb, t, r: [Write("latent_sq", False, (t.token, t.tile))],
-    TaskKind.LATENT_NORM: lambda tb, t, r: [Write("latent", False, (t.token,))],
+    TaskKind.LATENT_PART: lambda tb, t, r: _latent_part_writes(tb, t, r),
     TaskKind.FINAL: lambda tb, t, r: [Write("ar3", True, (r, slice(None), slice(*t.span)))],
     TaskKind.REDUCE3: lambda tb, t, r: [Write("out", False, (t.token, slice(*t.span)))],
 }
@@ -1400,19 +1402,15 @@ class _Planner:
                      streams=self._rows(["latent_up", "shared_down"], lo, hi))
 
     def latent_part(self):
+        # each rank reads the norm vector in its own L/T columns, spread over
+        # the parts that hold them: counted on the first part (a table is every rank's)
+        rank_cols = self.cfg.routed_expert_hidden_size // self.tp
         for token in range(self.S):
             for part, lo, hi in self.latent_parts:
-                self.add(TaskKind.LATENT_PART, tile=part, span=(lo, hi), token=token,
+                streams = self._vector_slices_once(token, ["latent_norm"], 0, rank_cols) if part == 0 else ()
+                self.add(TaskKind.LATENT_PART, tile=part, span=(lo, hi), token=token, streams=streams,
                          waits=[_WaitSpec(Flag.AR2, token, self.tp * len(self.down_tiles))],
-                         raises=[(Flag.SQUARED, token)])
-
-    def latent_norm(self):
-        for token in range(self.S):
-            # the norm vector's rank columns only (kernels/latent_norm.py)
-            streams = self._vector_slices_once(token, ["latent_norm"], 0, self.cfg.routed_expert_hidden_size // self.tp)
-            self.add(TaskKind.LATENT_NORM, token=token, streams=streams,
-                     waits=[_WaitSpec(Flag.SQUARED, token, len(self.latent_parts))],
-                     raises=[(Flag.LATENT_READY, 0)])
+                         raises=[(Flag.LATENT_READY, 0)])
 
     def final(self):
         for tile, lo, hi in self.final_tiles:
@@ -1421,7 +1419,8 @@ class _Planner:
             # final_split the task's own wait, after the shared down-projection)
             self.add(TaskKind.FINAL, tile=tile, span=(lo, hi), streams=streams,
                      waits=[_WaitSpec(Flag.SHARED_READY, 0, len(self.shared_tiles)),
-                            _WaitSpec(Flag.LATENT_READY, 0, self.S, in_task=self.options.final_split)],
+                            _WaitSpec(Flag.LATENT_READY, 0, self.S * len(self.latent_parts),
+                                      in_task=self.options.final_split)],
                      raises=[(Flag.AR3, lo // self.reduce3_cols)])
 
     def reduce3(self):
@@ -1446,7 +1445,7 @@ class _Planner:
         late = () if early else (self.prefetch_final,)
         for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_mix, self.seam_norm,
                      self.router, self.latent_down, *early, self.prefetch_shared, *self._route_shared_and_gate_up(),
-                     self.expert_down, *late, self.latent_part, self.latent_norm, self.final, self.reduce3):
+                     self.expert_down, *late, self.latent_part, self.final, self.reduce3):
             step()
         return self.specs
 
@@ -1468,7 +1467,6 @@ class _Planner:
             Flag.SPLITS: 1 if self.m1c_blocks else 0,
             Flag.MIXED: per_token,
             Flag.RANKED: per_token,
-            Flag.SQUARED: per_token,
             Flag.DISCARD: 1,
         }
         return tuple((flag, slots[flag]) for flag in Flag)

@@ -21,7 +21,8 @@ Order of one run (tp.py's exchange order):
     oproj (every rank) -> exchange ar1 -> reduce_prefix -> attnres (score, mix, norm)
     -> router, latent_down, shared_gate_up -> exchange logits, z
     -> route (parts, merge) -> expert_gate_up -> expert_down -> exchange ar2
-    -> latent_norm -> final_partial -> exchange ar3 -> final_reduce
+    -> latent_norm (the parts; the scale is final_partial's) -> final_partial -> exchange ar3
+    -> final_reduce
 
 With tiles.expert_mma the expert stages run on tensor cores (weights in mma
 order, made once here), and z is multiplied by 2^63 after its exchange: what
@@ -44,7 +45,7 @@ from .kernels.experts import (launch_expert_down, launch_expert_down_mma, launch
                               launch_expert_gate_up_mma)
 from .kernels.final import launch_final_partial
 from .kernels.latent_down import launch_latent_down
-from .kernels.latent_norm import launch_latent_norm
+from .kernels.latent_norm import launch_latent_parts
 from .kernels.mxfp4 import ACT_PRESCALE
 from .kernels.oproj import launch_oproj
 from .kernels.reduce import launch_final_reduce, launch_reduce_prefix
@@ -218,13 +219,14 @@ class StagedLayer:
         out.append(("exchange ar2", lambda: self._exchange_slot("ar2")))
         each_rank(
             "latent_norm",
-            lambda r: launch_latent_norm(peer[r]["ar2"], w[r].latent_norm, cfg.rms_norm_eps, scratch[r]["latent_sq"],
-                                         scratch[r]["latent"], r, geom),
+            lambda r: launch_latent_parts(peer[r]["ar2"], w[r].latent_norm, scratch[r]["latent_sq"],
+                                          scratch[r]["latent"], r, geom),
         )
         each_rank(
             "final_partial",
             lambda r: launch_final_partial(
-                scratch[r]["latent"], w[r].latent_up, scratch[r]["shared_act"], w[r].shared_down, peer[r]["ar3"][r], geom
+                scratch[r]["latent"], scratch[r]["latent_sq"], cfg.rms_norm_eps, w[r].latent_up, scratch[r]["shared_act"],
+                w[r].shared_down, peer[r]["ar3"][r], geom, cfg.routed_expert_hidden_size,
             ),
         )
         out.append(("exchange ar3", lambda: self._exchange_slot("ar3")))

@@ -7,18 +7,19 @@ that must survive.
 
 Tolerances, and why they still catch real bugs:
 
-* The reduces (AR1 + prefix, AR3) do the reference's fp32 additions in the
+* The reduces (AR1 + prefix, AR3, AR2 into the weighted latent, whose bf16
+  product is exact in fp32) do the reference's fp32 additions in the
   reference's order with one rounding each: bit-exact.
 * fp32 partials (o_proj, router logits, the AR3 operand) sum the same products
   in another order. Each element may differ by 1e-5 of sum_k |x_k w_k| (the
   size of the terms, not of the possibly cancelled result): fp32 reordering
   stays orders of magnitude below that at these K, while one wrong or missing
   term (a bad mask, a wrong row or column) is about 1/K of it, above 1e-5.
-* Rounded outputs (x, z, shared_act, latent) come from fp32 values that
+* Rounded outputs (x, z, shared_act) come from fp32 values that
   differ from the reference's in the last fp32 bits, so a value next to a bf16
   rounding boundary may round the other way: at most 1 % of the elements (plus
   one, for tiny outputs) may differ, each by 1 bf16 ulp (2 where a second
-  rounding follows the first: situ of the rounded gate/up, the norms'
+  rounding follows the first: situ of the rounded gate/up, the seam norm's
   bf16(w * bf16(.))), or by less than 1e-5 of the row's RMS (a value that
   cancelled to near zero, whose ulp is far below the fp32 error of its
   terms). The observed rate is about 0.1 %. A wrong element is many ulps and
@@ -53,7 +54,7 @@ from k3mono.kernels.attnres import launch_attnres
 from k3mono.kernels.common import as_f32, to_bf16
 from k3mono.kernels.final import launch_final_partial
 from k3mono.kernels.latent_down import launch_latent_down
-from k3mono.kernels.latent_norm import launch_latent_norm
+from k3mono.kernels.latent_norm import launch_latent_parts
 from k3mono.kernels.oproj import launch_oproj
 from k3mono.kernels.reduce import launch_final_reduce, launch_reduce_prefix
 from k3mono.kernels.router import launch_router
@@ -290,9 +291,8 @@ def test_reduces_add_in_rank_order():
 
     parts = order_sensitive_partials(tp, (S, L), seed=3)
     norm = layer_weights("tiny").latent_norm
-    latent = every_rank_latent(parts, norm, cfg.rms_norm_eps, geom)
-    want = st.latent_norm(BF16, combine("sum", list(parts)), norm, cfg.rms_norm_eps)
-    assert_rounded(latent, want, "latent", CHAINED_ULPS)
+    latent, _ = every_rank_latent(parts, norm, geom)
+    assert_exact(latent, BF16.round(BF16.cast(norm) * BF16.round(combine("sum", list(parts)))), "latent")
     # the order matters at all for these inputs:
     reversed_sum = combine("sum", list(parts.flip(0)))
     assert not torch.equal(reversed_sum, combine("sum", list(parts)))
@@ -393,29 +393,41 @@ def test_shared_gate_up(case):
 # -- AR2 + latent norm, and the AR3 operand ------------------------------------------------
 
 
-def every_rank_latent(parts, norm, eps, geom):
-    """[S, L]: each rank's latent norm launch (its L/T columns, into poisoned
-    outputs) side by side: every column written once, by its rank."""
+def every_rank_latent(parts, norm, geom):
+    """([S, L], [S, PL]): each rank's latent parts launch (its L/T columns, into
+    poisoned outputs) side by side: every column written once, by its rank; and
+    the parts' sums of squares, which every rank computes alike (checked)."""
     tp, S, L = parts.shape
-    slices = []
+    slices, squares = [], []
     for rank in range(tp):
         latent_r = poisoned((S, L // tp), torch.bfloat16)
-        squares = poisoned((S, -(-L // geom.latent_part)), torch.float32)
-        launch_latent_norm(dev(parts), dev(norm), eps, squares, latent_r, rank, geom)
+        squares.append(poisoned((S, -(-L // geom.latent_part)), torch.float32))
+        launch_latent_parts(dev(parts), dev(norm), squares[-1], latent_r, rank, geom)
         slices.append(latent_r)
-    return torch.cat(slices, dim=1)
+    for rank, sq in enumerate(squares[1:], start=1):
+        assert torch.equal(sq.cpu(), squares[0].cpu()), f"rank {rank}'s latent_sq differs from rank 0's"
+    return torch.cat(slices, dim=1), squares[0].cpu()
 
 
 @pytest.mark.parametrize("case", cases() + [("small", 16, 3, "planned")], ids=case_id)
-def test_latent_norm(case):
+def test_latent_parts(case):
+    """The weighted latent bf16(w * bf16(sum)) exactly (the ranks added in rank
+    order, a bf16 product exact in fp32, one rounding), and the norm's scale FINAL
+    takes from the parts' sums of squares: rsqrt(mean(bf16(sum)^2) + eps) to fp32
+    reordering."""
     name, tp, S, geo = case
     cfg = preset(name)
     w = layer_weights(name)
     geom = GEOMETRIES[geo](stage_geometry(cfg, tp, S))
-    parts = partials((tp, S, cfg.routed_expert_hidden_size), seed=70 + S)
-    latent = every_rank_latent(parts, w.latent_norm, cfg.rms_norm_eps, geom)
-    want = st.latent_norm(BF16, combine("sum", list(parts)), w.latent_norm, cfg.rms_norm_eps)
-    assert_rounded(latent, want, "latent", CHAINED_ULPS)
+    L = cfg.routed_expert_hidden_size
+    parts = partials((tp, S, L), seed=70 + S)
+    latent, squares = every_rank_latent(parts, w.latent_norm, geom)
+    rounded = BF16.round(combine("sum", list(parts)))
+    assert_exact(latent, BF16.round(BF16.cast(w.latent_norm) * rounded), "latent")
+    assert torch.isfinite(squares).all(), "latent_sq: unwritten parts"
+    scale = torch.rsqrt(squares.double().sum(dim=1) / L + cfg.rms_norm_eps)
+    want = torch.rsqrt(rounded.double().pow(2).mean(dim=1) + cfg.rms_norm_eps)
+    assert torch.allclose(scale, want, rtol=PARTIAL_REL, atol=0), f"latent scale {scale} against {want}"
 
 
 @pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 16, "planned")], ids=case_id)
@@ -424,13 +436,18 @@ def test_final_partial(case):
     rank = tp - 1
     cfg, w = rank_shard(name, tp, rank)
     geom = GEOMETRIES[geo](stage_geometry(cfg, tp, S))
-    latent = activations((S, cfg.routed_expert_hidden_size), seed=80 + S)
+    L = cfg.routed_expert_hidden_size
+    latent = activations((S, L), seed=80 + S)
     act = activations((S, cfg.shared_intermediate // tp), seed=81 + S)
+    # the parts' sums of squares of an O(1) latent: a scale per token near 1, not 1
+    squares = partials((S, -(-L // geom.latent_part)), seed=82 + S).abs() * (L / geom.latent_part)
     ar3 = poisoned((tp, S, cfg.hidden_size), torch.float32)
     lat = latent_slice(latent, tp, rank)
-    launch_final_partial(dev(lat), dev(w.latent_up), dev(act), dev(w.shared_down), ar3[rank], geom)
-    want = st.linear(BF16, lat, w.latent_up) + st.linear(BF16, act, w.shared_down)
-    scale = abs_scale(lat, w.latent_up) + abs_scale(act, w.shared_down)
+    launch_final_partial(dev(lat), dev(squares), cfg.rms_norm_eps, dev(w.latent_up), dev(act), dev(w.shared_down),
+                         ar3[rank], geom, L)
+    norm_scale = torch.rsqrt(squares.sum(dim=1, keepdim=True) / L + cfg.rms_norm_eps)
+    want = norm_scale * st.linear(BF16, lat, w.latent_up) + st.linear(BF16, act, w.shared_down)
+    scale = norm_scale * abs_scale(lat, w.latent_up) + abs_scale(act, w.shared_down)
     assert_partial(ar3[rank], want, scale, "AR3 partial")
     for t in range(tp):
         if t != rank:
@@ -520,12 +537,9 @@ _SM90_CHECK = textwrap.dedent(
                   "stride_xs": "i32"},
                  dict(H=7168, SC=512))
     compile_sm90(latent_norm._latent_part_kernel,
-                 {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "sq_ptr": "*fp32"},
-                 dict(T=8, L=3584, PC=512, PL=7))
-    compile_sm90(latent_norm._latent_norm_kernel,
-                 {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "sq_ptr": "*fp32", "norm_ptr": "*bf16",
-                  "eps": "fp32", "out_ptr": "*bf16", "stride_os": "i32", "rank": "i32"},
-                 dict(T=8, L=3584, L_R=448, PL=7, VB=1024))
+                 {"ar2_ptr": "*fp32", "stride_at": "i32", "stride_as": "i32", "norm_ptr": "*bf16", "sq_ptr": "*fp32",
+                  "out_ptr": "*bf16", "stride_os": "i32", "rank": "i32"},
+                 dict(T=8, L=3584, L_R=448, PC=512, PL=7))
     compile_sm90(route._route_part_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "keys_ptr": "*i64"},
                  dict(E=896, K=16, E_PAD=1024, RC=128))
     compile_sm90(route._route_merge_kernel,

@@ -69,7 +69,6 @@ KIND_ORDER = [
     TaskKind.EXPERT_GU,
     TaskKind.EXPERT_DOWN,
     TaskKind.LATENT_PART,
-    TaskKind.LATENT_NORM,
     TaskKind.FINAL,
     TaskKind.REDUCE3,
 ]
@@ -684,7 +683,7 @@ def test_cli_plan_options_and_presets(capsys):
     assert main(["plan", "--tokens", "6", "--tp", "2", "--sms", "7", "--preset", "tiny", "--final-split",
                  "--prefetch-shared", "--x-token-groups"]) == 0
     out = capsys.readouterr().out
-    assert "PREFETCH_SHARED" in out and "LATENT_READY[0]>=6(in task)" in out and "x_token_groups=True" in out
+    assert "PREFETCH_SHARED" in out and "LATENT_READY[0]>=12(in task)" in out and "x_token_groups=True" in out
     assert "ROUTER" in out and "tok 0..4" in out
 
 
@@ -862,7 +861,7 @@ def test_seam_route_and_latent_norm_spread_each_token_over_ctas(name, chunks, pa
         assert set(wait.sources) == {t.ticket for t in reduce1 if t.token == task.token}
     assert len(by_kind[TaskKind.ROUTE_PART]) == tokens * parts and len(by_kind[TaskKind.ROUTE]) == tokens
     L, part_cols = table.cfg.routed_expert_hidden_size, table.geometry.latent_part
-    assert len(by_kind[TaskKind.LATENT_PART]) == tokens * latent_parts and len(by_kind[TaskKind.LATENT_NORM]) == tokens
+    assert len(by_kind[TaskKind.LATENT_PART]) == tokens * latent_parts
     assert {t.span for t in by_kind[TaskKind.LATENT_PART] if t.token == 0} == {
         (lo, min(lo + part_cols, L)) for lo in range(0, L, part_cols)}
     down = by_kind[TaskKind.EXPERT_DOWN]
@@ -870,8 +869,12 @@ def test_seam_route_and_latent_norm_spread_each_token_over_ctas(name, chunks, pa
         (wait,) = task.waits
         assert (wait.flag, wait.index) == (Flag.AR2, task.token)
         assert set(wait.sources) == {t.ticket for t in down if t.token == task.token}
-    for step, flag, producers in ((TaskKind.SEAM_NORM, Flag.MIXED, chunks), (TaskKind.ROUTE, Flag.RANKED, parts),
-                                  (TaskKind.LATENT_NORM, Flag.SQUARED, latent_parts)):
+    parts_done = {t.ticket for t in by_kind[TaskKind.LATENT_PART]}
+    for task in by_kind[TaskKind.FINAL]:
+        latent_wait = task.waits[-1]
+        assert (latent_wait.flag, latent_wait.count) == (Flag.LATENT_READY, tokens * latent_parts)
+        assert set(latent_wait.sources) == parts_done
+    for step, flag, producers in ((TaskKind.SEAM_NORM, Flag.MIXED, chunks), (TaskKind.ROUTE, Flag.RANKED, parts)):
         for task in by_kind[step]:
             (wait,) = task.waits
             assert (wait.flag, wait.index, wait.count) == (flag, task.token, producers)

@@ -70,9 +70,10 @@ import triton.language as tl
 from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query
 from .common import INTERPRET, as_f32, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
-from .latent_down import latent_down_task
-from .latent_norm import latent_norm_task, latent_part_task
+from .final import final_sum
 from .gemv import gemv_tile, group_window, store_rows
+from .latent_down import latent_down_task
+from .latent_norm import latent_part_task, latent_scale
 from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
 from .mxfp4 import ACT_PRESCALE
@@ -96,7 +97,6 @@ K_ROUTE = tl.constexpr(6)
 K_EXPERT_GU = tl.constexpr(7)
 K_EXPERT_DOWN = tl.constexpr(8)
 K_PREFETCH_FINAL = tl.constexpr(9)
-K_LATENT_NORM = tl.constexpr(10)
 K_FINAL = tl.constexpr(11)
 K_REDUCE3 = tl.constexpr(12)
 K_M1B = tl.constexpr(13)
@@ -301,14 +301,18 @@ def latent_down_push_task(
 def final_push_task(
     tile,
     shared,  # fp32 [SP, F_ROWS]: the tile's shared down-projection (final_task's second term), run before
-    lat_ptr,  # bf16 [S, L/T]: this rank's columns of the normed latent
+    lat_ptr,  # bf16 [S, L/T]: this rank's columns of the weighted latent
+    sq_ptr,  # fp32 [S, PL]: the latent parts' sums of squares
+    eps,
     w_up_ptr,  # bf16 [H, L/T]
     peer_table_ptr,  # int64 [NP]
     slot,  # fp32 AR3 [S, H] of this rank
     word,
     S: tl.constexpr,
     H: tl.constexpr,
+    L: tl.constexpr,
     L_R: tl.constexpr,
+    PL: tl.constexpr,
     SP: tl.constexpr,
     F_ROWS: tl.constexpr,
     F_BK: tl.constexpr,
@@ -318,10 +322,11 @@ def final_push_task(
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
-    """The latent up-projection's rows plus ``shared``, final_task's sum (its two
-    gemv_tile terms, here run apart: MonoOptions.final_split), pushed."""
+    """The latent up-projection's rows, scaled, plus ``shared``: final_task's sum
+    (its two gemv_tile terms, here run apart: MonoOptions.final_split), pushed."""
     acc = gemv_tile(lat_ptr, L_R, w_up_ptr, L_R, tile * F_ROWS, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST)
-    _push_rows(peer_table_ptr, slot, H, acc + shared, tile * F_ROWS, 0, S, H, SP, F_ROWS, NP, tl.float32)
+    partial = final_sum(acc, latent_scale(sq_ptr, eps, S, SP, L, PL), shared)
+    _push_rows(peer_table_ptr, slot, H, partial, tile * F_ROWS, 0, S, H, SP, F_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
@@ -600,7 +605,6 @@ def _mono_kernel(
     EXPERT_EVICT_FIRST: tl.constexpr,  # planner.MonoOptions.expert_evict_first
     EXPERT_MMA: tl.constexpr,  # planner.TileChoice.expert_mma: w1/w3/w2 in mma order, z pushed * 2^63
     EXPERT_DEQUANT: tl.constexpr,  # the FMA loops' placement (kernels/mxfp4.py; DEQUANT_F16: tiles.expert_f16)
-    VB: tl.constexpr,
     CANDS: tl.constexpr,
     CP: tl.constexpr,  # the seam partials' candidate extent (>= CANDS)
     SC: tl.constexpr,  # columns a seam task covers
@@ -806,11 +810,8 @@ def _mono_kernel(
                 _prefetch_rows(w_sg_ptr, start, stop, SI_R, H)
                 _prefetch_rows(w_su_ptr, start, stop, SI_R, H)
             elif kind == K_LATENT_PART:
-                latent_part_task(token, tile, own_f32 + pf + AR2_F, S * L, L, sc_f32 + LSQ_F, T, L, PC, PL)
-                raise_counter(flags + rword, SCOPE)
-            elif kind == K_LATENT_NORM:
-                latent_norm_task(token, rank, own_f32 + pf + AR2_F, S * L, L, sc_f32 + LSQ_F, ln_w_ptr, eps, lat_ptr,
-                                 L_R, T, L, L_R, PL, VB)
+                latent_part_task(token, tile, rank, own_f32 + pf + AR2_F, S * L, L, ln_w_ptr, sc_f32 + LSQ_F, lat_ptr,
+                                 L_R, T, L, L_R, PC, PL)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_FINAL:
                 # the shared down-projection first: with final_split the latent's wait is still open
@@ -819,8 +820,9 @@ def _mono_kernel(
                 ok = _poll_waits(early, nwaits, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket,
                                  SCOPE, SLEEP_NS)
                 if ok != 0:
-                    final_push_task(tile, shared, lat_ptr, w_up_ptr, peer_table_ptr, pf + AR3_F + rank * (S * H),
-                                    FLAG_I + rword, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST, NP, SCOPE)
+                    final_push_task(tile, shared, lat_ptr, sc_f32 + LSQ_F, eps, w_up_ptr, peer_table_ptr,
+                                    pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L, L_R, PL, SP, F_ROWS, F_BK,
+                                    USE_DOT, F_EVEN_L, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
                 reduce3_task(token, start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
             elif kind == K_NOP:
