@@ -157,8 +157,9 @@ summing the ranks over all of L (T * L * 4 = 114 KB at TP8) ran 5.3 us at
 S = 1 on the launch's critical path (an H100 trace of the twentieth session);
 parts of 512 columns keep a part's loads at one 16-byte vector per rank slot
 and thread (4 warps): 7 parts at L = 3584, each one memory round trip. The
-scale's deferral took out a norm task a token after the parts (2.0 us of the
-H200 trace at S = 1, 80f0b49, plus its poll hop). Narrower configs get at
+scale's deferral took out a norm task a token after the parts: on one H200,
+S = 1 68.0, 68.1 -> 66.3, 66.3 us, S = 8 201.0, 201.2 -> 200.8, 201.0
+(docs/PERF.md, 74e726e). Narrower configs get at
 least LATENT_MIN_PARTS parts (the small presets sum partials across parts,
 the last one partial, as the released one does); two, not more: the
 interpreter walks every task."""
