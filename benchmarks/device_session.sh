@@ -34,7 +34,8 @@
 # at S = 1; x_groups8: the router and latent down by groups of 8 tokens checked and timed; latent_parts: the two-step latent norm checked, FINAL's prefetch early and 3 CTAs a SM at
 # S = 1 timed, the traces; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
-# norm_scale: the latent norm's scale in FINAL checked, timed against the tree in $K3MONO_BASE, traced;
+# norm_scale: the latent norm's scale in FINAL checked, timed against the tree in $K3MONO_BASE, traced; router_rms:
+# the S = 1 router forming x from h, the same;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -69,6 +70,17 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, print its t
     local rc=$?
     echo "== $name: rc $rc, $((SECONDS - started)) s" | tee -a "$OUT/$name.txt"
     tail -n 12 "$OUT/$name.txt"
+}
+
+against_base() {  # against_base NAME TOKENS...: the mono defaults here and in $K3MONO_BASE's tree, alternating, twice
+    local name=$1 base=${K3MONO_BASE:?the tree to time against}
+    shift
+    for round in 1 2; do
+        step "${name}_base_$round" 110 bash -c "cd '$base' && PYTHONPATH=\$PWD python3 benchmarks/defaults_ab.py \
+            --field poll_sleep_ns --values 0 --tokens $* --rounds 1"
+        step "${name}_new_$round" 110 python3 benchmarks/defaults_ab.py --field poll_sleep_ns --values 0 --tokens "$@" \
+            --rounds 1
+    done
 }
 
 faults() {  # one rank never launches: every other one must stop naming it
@@ -211,13 +223,14 @@ for s in $STEPS; do
         # loopback T = 8, S = 1, 8 and 16, grids of 132 and 1 CTAs); timed against the tree unpacked in
         # $K3MONO_BASE (the commit before), alternating, twice; the S = 1 and 8 traces
         step norm_scale_check 200 python3 benchmarks/gpu_check.py --tp 8 1 --tokens 1 8 16 --grids 132 1 --occupy-sms 0
-        for round in 1 2; do
-            step "norm_scale_base_$round" 110 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && PYTHONPATH=\$PWD python3 \
-                benchmarks/defaults_ab.py --field poll_sleep_ns --values 0 --tokens 1 8 --rounds 1"
-            step "norm_scale_new_$round" 110 python3 benchmarks/defaults_ab.py --field poll_sleep_ns --values 0 \
-                --tokens 1 8 --rounds 1
-        done
+        against_base norm_scale 1 8
         step norm_scale_trace 90 python3 benchmarks/mono_trace.py --tokens 1 8 --out "$RESULTS" ;;
+    router_rms)  # S = 1: the router tasks forming x from the seam's h (planner.ROUTER_RMS_MAX_TOKENS): checked (T = 1
+        # and loopback T = 8, grids of 132 and 1 CTAs, beside a kernel on 66 SMs), timed against the tree in
+        # $K3MONO_BASE (the commit before), alternating, twice; the S = 1 trace
+        step router_rms_check 150 python3 benchmarks/gpu_check.py --tp 8 1 --tokens 1 --grids 132 1 --occupy-sms 66
+        against_base router_rms 1
+        step router_rms_trace 60 python3 benchmarks/mono_trace.py --tokens 1 --out "$RESULTS" ;;
     x_groups8)  # the router and latent down on the FMA path by groups of 8 tokens (TileChoice.x_group_tokens):
         # checked (loopback T = 8, S = 8: one group, 13: the last shifted back), timed against the defaults at S = 8
         # and 16 and at other router / latent rows, and the S = 8 trace

@@ -111,6 +111,19 @@ own chain sets when the experts start). At S = 1 the mono launch takes 1 router
 and 4 latent rows (mono.SINGLE_TOKEN_ROUTER_ROWS, SINGLE_TOKEN_LATENT_ROWS:
 68.3 to 68.7 us against 69.1 to 70.0 on an H200, docs/PERF.md)."""
 
+ROUTER_RMS_MAX_TOKENS = 1
+"""Up to this many tokens (on the FMA path) the mono launch's router tasks form x
+= rms(h, post_attention_layernorm) from the seam's h as they stream their rows
+(kernels/gemv.py X_RMS; the scale from the mix's sums, as the norm's tasks
+compute it: the same bits), so the route does not wait for the seam's norm
+step: its poll hop and round trip, 2.3 us of the S = 1 trace at 74e726e
+(the mix done at 15.2, the router ready at 17.6). A token's x costs a task
+two loads and six operations a weight column, against its one FMA: with one
+row a task at S = 1 (the router's 112 rows at TP8) that hides behind the
+memory round trips; more tokens or rows would not. The latent down and shared
+tasks still read the norm's x (the route, not z, sets when the experts start).
+The staged path keeps its norm kernel; both give the same logits."""
+
 SEAM_COLS = 512
 SEAM_MIN_CHUNKS = 2
 """Columns of H a seam task covers (StageGeometry.seam_cols): the AttnRes seam
@@ -406,6 +419,7 @@ class StageGeometry:
     latent_part: int  # columns of L a latent-norm part sums (LATENT_PART_COLS)
     x_group: int  # tokens a router / latent down task takes (X_TOKEN_GROUPS): S, or a group's
     x_group_dot: bool  # whether the router and latent down tasks run tl.dot (else FMAs)
+    router_rms: bool  # whether the router tasks form x from the seam's h (ROUTER_RMS_MAX_TOKENS)
     m1b: "M1bGeometry | None" = None  # the mono launch's M1b tasks (MonoOptions.m1b)
     m1c: "M1cGeometry | None" = None  # the mono launch's M1c tasks (MonoOptions.m1c)
 
@@ -585,6 +599,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         latent_part=latent_part_cols(L),
         x_group=x_group,
         x_group_dot=x_dot,
+        router_rms=tokens <= ROUTER_RMS_MAX_TOKENS and not x_dot,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )
@@ -1329,12 +1344,13 @@ class _Planner:
                          streams=self._vector_slices_once(token, ["post_norm"], lo, hi),
                          waits=[_WaitSpec(Flag.MIXED, token, len(self.seam_chunks))], raises=[(Flag.X_READY, 0)])
 
-    def _x_gemv(self, kind, tile_list, names, flag, group_tokens=None, stream_weights=True):
+    def _x_gemv(self, kind, tile_list, names, flag, group_tokens=None, stream_weights=True, x_written=None):
         """A task per row tile and group of ``group_tokens`` tokens (all S when
         None), tile-major: a tile's groups run side by side, the first reading
         its rows from HBM (where ``stream_weights``: else a prefetch task did),
-        the others from L2. ``token`` is the group's first."""
-        x_written = _WaitSpec(Flag.X_READY, 0, self.S * len(self.seam_chunks))
+        the others from L2. ``token`` is the group's first. They wait for x
+        (``x_written``, by default every seam norm task's)."""
+        x_written = x_written or _WaitSpec(Flag.X_READY, 0, self.S * len(self.seam_chunks))
         firsts = range(0, self.S, group_tokens or self.S)
         for tile, lo, hi in tile_list:
             for first in firsts:
@@ -1346,7 +1362,9 @@ class _Planner:
         return self.g.x_group if self.g.x_group < self.S else None
 
     def router(self):
-        self._x_gemv(TaskKind.ROUTER, self.router_tiles, ["router"], Flag.LOGITS, self._x_group())
+        # StageGeometry.router_rms: the tasks form x from h themselves, after the mix
+        mixed = _WaitSpec(Flag.MIXED, 0, len(self.seam_chunks)) if self.g.router_rms else None
+        self._x_gemv(TaskKind.ROUTER, self.router_tiles, ["router"], Flag.LOGITS, self._x_group(), x_written=mixed)
 
     def latent_down(self):
         self._x_gemv(TaskKind.LATENT_DOWN, self.latent_tiles, ["latent_down"], Flag.Z, self._x_group())

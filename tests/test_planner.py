@@ -879,5 +879,11 @@ def test_seam_route_and_latent_norm_spread_each_token_over_ctas(name, chunks, pa
             (wait,) = task.waits
             assert (wait.flag, wait.index, wait.count) == (flag, task.token, producers)
             assert {table.tasks[s].token for s in wait.sources} == {task.token}
-    x_written = by_kind[TaskKind.ROUTER][0].waits[0]
+    x_written = by_kind[TaskKind.LATENT_DOWN][0].waits[0]
     assert (x_written.flag, x_written.count) == (Flag.X_READY, tokens * chunks)
+    # a single token's router tasks form x from h (StageGeometry.router_rms): they wait for the mix only
+    router_waits = {(w.flag, w.count, w.sources) for t in by_kind[TaskKind.ROUTER] for w in t.waits}
+    mixes = tuple(t.ticket for t in by_kind[TaskKind.SEAM_MIX])
+    assert table.geometry.router_rms == (tokens == 1)
+    assert router_waits == ({(Flag.MIXED, chunks, mixes)} if tokens == 1 else {(x_written.flag, x_written.count,
+                                                                                  x_written.sources)})

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..errors import expect_tensor
 from ..planner import next_pow2
-from .common import as_f32, rsqrt_rn, to_bf16
+from .common import as_f32, rms_value, rsqrt_rn, to_bf16
 
 PARTS = tl.constexpr(2)  # a chunk's partials per candidate: sum of V^2, V . q
 
@@ -213,6 +213,24 @@ def seam_mix_task(
 
 
 @triton.jit
+def seam_scale(
+    s,  # token
+    hsq_ptr,  # fp32 [S, CH]: every chunk's seam_mix_task
+    eps,
+    H: tl.constexpr,
+    SC: tl.constexpr,
+):
+    """rsqrt(mean(h^2) + eps) of token s, the chunks' sums added in chunk order:
+    every task that normalises h (the norm's, and the mono launch's single-token
+    router, kernels/router.py) computes it alike, so all get x's bits."""
+    CH: tl.constexpr = triton.cdiv(H, SC)
+    total = tl.load(hsq_ptr + s * CH)
+    for c in tl.static_range(1, CH):
+        total += tl.load(hsq_ptr + s * CH + c)
+    return rsqrt_rn(total / H + eps)
+
+
+@triton.jit
 def seam_norm_task(
     s,  # token
     chunk,
@@ -225,14 +243,11 @@ def seam_norm_task(
     H: tl.constexpr,
     SC: tl.constexpr,
 ):
-    CH: tl.constexpr = triton.cdiv(H, SC)
-    chunks = tl.arange(0, triton.next_power_of_2(CH))
-    hsq = tl.sum(tl.load(hsq_ptr + s * CH + chunks, mask=chunks < CH, other=0.0), axis=0)
-    r = rsqrt_rn(hsq / H + eps)
+    r = seam_scale(s, hsq_ptr, eps, H, SC)
     cols, m = _chunk_cols(chunk, H, SC)
     h = as_f32(tl.load(h_ptr + s * H + cols, mask=m, other=0.0))
     w = as_f32(tl.load(post_norm_ptr + cols, mask=m, other=0.0))
-    tl.store(x_ptr + s * stride_xs + cols, to_bf16(w * as_f32(to_bf16(h * r))), mask=m)
+    tl.store(x_ptr + s * stride_xs + cols, rms_value(h, w, r), mask=m)
 
 
 @triton.jit

@@ -93,6 +93,12 @@ def rsqrt_rn(x):
 
 
 @triton.jit
+def rms_value(v, weight, scale):
+    """bf16(weight * bf16(v * scale)): k3-math's rms once its scale is known (v, weight fp32)."""
+    return to_bf16(weight * as_f32(to_bf16(v * scale)))
+
+
+@triton.jit
 def dot_acc(a, b, acc, UPCAST: tl.constexpr):
     """acc + a @ b with fp32 accumulation: a [M, K], b [K, N] (bf16 or fp32)."""
     if UPCAST:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import as_f32, dot_acc
+from .common import as_f32, dot_acc, rms_value
 
 VEC = tl.constexpr(8)  # bf16 values in one 16-byte load: the run a thread holds
 FMA_MAX_SP = tl.constexpr(8)  # tokens the FMA path keeps accumulators for (planner.X_FMA_MAX_TOKENS)
@@ -95,10 +95,17 @@ def _fold(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    norm_ptr=None,  # [K] bf16 (X_RMS)
+    x_scale=1.0,  # fp32 (X_RMS)
+    X_RMS: tl.constexpr = False,
 ):
     """[ROWS, BLOCK_K / VEC] fp32: w * x summed over each run of VEC columns
-    (the run one thread loaded as one vector, so the sum stays in registers)."""
+    (the run one thread loaded as one vector, so the sum stays in registers).
+    X_RMS: the row is h and x = rms_value(h, norm, x_scale), formed here."""
     xs = as_f32(_load_x_bcast(x_row_ptr, zero_rows, k0, K, BLOCK_K, EVEN_K))
+    if X_RMS:
+        norm = as_f32(_load_x_bcast(norm_ptr, zero_rows, k0, K, BLOCK_K, EVEN_K))
+        xs = as_f32(rms_value(xs, norm, x_scale))
     return tl.sum(tl.reshape(w * xs, [ROWS, BLOCK_K // VEC, VEC]), axis=2)
 
 
@@ -129,8 +136,16 @@ def gemv_tile(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    norm_ptr=None,  # [K] bf16: X_RMS's norm vector
+    x_scale=1.0,  # fp32: X_RMS's scale
+    X_RMS: tl.constexpr = False,
 ):
-    """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring)."""
+    """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring).
+
+    X_RMS (one token, the FMA path): x_ptr holds h and the tile multiplies
+    x = rms_value(h, norm, x_scale), formed as it streams: the bits a norm step
+    would have stored, without that step's poll and round trip."""
+    tl.static_assert(not X_RMS or (S == 1 and not USE_DOT))
     rows = tl.minimum(row0 + tl.arange(0, ROWS), N - 1)
     kk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + kk[None, :]
@@ -167,7 +182,7 @@ def gemv_tile(
         for k0 in range(0, K, BLOCK_K):
             w = as_f32(w_next)
             w_next = _load_w(w_ptrs, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
-            p0 += _fold(w, x_ptr, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+            p0 += _fold(w, x_ptr, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K, norm_ptr, x_scale, X_RMS)
             if S > 1:
                 p1 += _fold(w, x_ptr + stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
             if S > 2:

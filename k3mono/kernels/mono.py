@@ -67,7 +67,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query
+from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query, seam_scale
 from .common import INTERPRET, as_f32, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
 from .final import final_sum
@@ -240,6 +240,10 @@ def router_push_task(
     tile,
     first,  # the task's first token (a group's), -1: all S
     x_ptr,  # bf16 [S, H]
+    h_ptr,  # bf16 [S, H]: the seam's h (ROUTER_RMS)
+    hsq_ptr,  # fp32 [S, CH]: its chunks' sums of squares (ROUTER_RMS)
+    in_nw_ptr,  # bf16 [H]: post_attention_layernorm (ROUTER_RMS)
+    eps,
     w_gate_ptr,  # bf16 [E/T, H]
     peer_table_ptr,  # int64 [NP]
     slot,  # fp32 logits [S, E], column E/T * rank
@@ -248,6 +252,7 @@ def router_push_task(
     H: tl.constexpr,
     E: tl.constexpr,
     E_R: tl.constexpr,
+    SC: tl.constexpr,  # columns a seam chunk covers
     XG: tl.constexpr,  # tokens a task (planner.StageGeometry.x_group)
     XGP: tl.constexpr,
     R_ROWS: tl.constexpr,
@@ -255,11 +260,16 @@ def router_push_task(
     XG_DOT: tl.constexpr,
     R_EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROUTER_RMS: tl.constexpr,  # planner.StageGeometry.router_rms: x formed from h here
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
     window, skip = group_window(first, S, XG)
-    acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST)
+    if ROUTER_RMS:
+        acc = router_task(tile, 0, h_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST,
+                          in_nw_ptr, seam_scale(0, hsq_ptr, eps, H, SC), True)
+    else:
+        acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST)
     _push_rows(peer_table_ptr, slot + window * E, E, acc, tile * R_ROWS, skip, XG, E_R, XGP, R_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
@@ -580,6 +590,7 @@ def _mono_kernel(
     XG: tl.constexpr,  # tokens a ROUTER / LATENT_DOWN task (planner.StageGeometry.x_group)
     XGP: tl.constexpr,  # XG padded: their tiles' token extent
     XG_DOT: tl.constexpr,  # their arithmetic: tl.dot, else FMAs
+    ROUTER_RMS: tl.constexpr,  # the router tasks form x from the seam's h (planner.StageGeometry.router_rms)
     UPCAST: tl.constexpr,
     O_ROWS: tl.constexpr,
     O_BK: tl.constexpr,
@@ -771,8 +782,9 @@ def _mono_kernel(
                 seam_norm_task(token, tile, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, x_ptr, H, H, SC)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTER:
-                router_push_task(tile, token, x_ptr, w_gate_ptr, peer_table_ptr, pf + LOG_F + rank * E_R,
-                                 FLAG_I + rword, S, H, E, E_R, XG, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, NP, SCOPE)
+                router_push_task(tile, token, x_ptr, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, w_gate_ptr,
+                                 peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E, E_R, SC, XG, XGP,
+                                 R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, ROUTER_RMS, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
                 latent_down_push_task(tile, token, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R,
                                       FLAG_I + rword, S, H, L, L_R, XG, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST,

@@ -5,7 +5,9 @@ Shapes: S tokens, H hidden, E experts, T ranks, E/T the rank's experts.
     logits[:, r*E/T : (r+1)*E/T] [S, E/T] fp32 = x [S, H] @ router_r [E/T, H].T   (unrounded)
 
 A task owns ``geom.router.rows`` expert rows of ``geom.x_group`` tokens (all S,
-or a group: kernels/gemv.py group_window). The slice is gathered by every rank,
+or a group: kernels/gemv.py group_window). The mono launch's single-token
+tasks may read the seam's h instead and form x = rms(h, post_attention_layernorm)
+as their rows stream (X_RMS; planner.ROUTER_RMS_MAX_TOKENS): the same x. The slice is gathered by every rank,
 so ``router_task`` returns the register tile; its caller stores it into each
 destination's logits columns.
 """
@@ -36,10 +38,13 @@ def router_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    norm_ptr=None,  # [H] bf16: post_attention_layernorm (X_RMS)
+    x_scale=1.0,  # fp32: the norm's scale (X_RMS)
+    X_RMS: tl.constexpr = False,  # x_ptr holds the seam's h: x formed as the rows stream (one token)
 ):
     """[GP, ROWS] fp32: logits of tokens window .. window + G - 1 for experts task*ROWS .. of this rank's slice."""
     return gemv_tile(x_ptr + window * stride_xs, stride_xs, w_ptr, stride_wn, task * ROWS, G, N, K, GP, ROWS, BLOCK_K,
-                     USE_DOT, EVEN_K, UPCAST)
+                     USE_DOT, EVEN_K, UPCAST, norm_ptr, x_scale, X_RMS)
 
 
 @triton.jit
