@@ -144,7 +144,8 @@ def launch_final_partial(latent_r, latent_sq, eps, latent_up_r, shared_act, shar
     _final_kernel[(num_tasks(H, tile.rows),)](
         latent_r, latent_r.stride(0), latent_sq, float(eps), latent_up_r, latent_up_r.stride(0), shared_act,
         shared_act.stride(0), shared_down_r, shared_down_r.stride(0), partial_out, partial_out.stride(0),
-        S=S, H=H, L=latent_width, PL=parts, K_LATENT=KL, K_SHARED=KS, SP=geom.tokens_pad, ROWS=tile.rows, BLOCK_K=tile.block_k, USE_DOT=geom.use_dot,
+        S=S, H=H, L=latent_width, PL=parts, K_LATENT=KL, K_SHARED=KS, SP=geom.tokens_pad, ROWS=tile.rows,
+        BLOCK_K=tile.block_k, USE_DOT=geom.use_dot,
         EVEN_K_LATENT=even_k(KL, tile.block_k), EVEN_K_SHARED=even_k(KS, tile.block_k),
         UPCAST=common.UPCAST_DOT, num_warps=tile.warps,
     )

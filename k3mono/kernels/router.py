@@ -5,11 +5,11 @@ Shapes: S tokens, H hidden, E experts, T ranks, E/T the rank's experts.
     logits[:, r*E/T : (r+1)*E/T] [S, E/T] fp32 = x [S, H] @ router_r [E/T, H].T   (unrounded)
 
 A task owns ``geom.router.rows`` expert rows of ``geom.x_group`` tokens (all S,
-or a group: kernels/gemv.py group_window). The mono launch's single-token
-tasks may read the seam's h instead and form x = rms(h, post_attention_layernorm)
-as their rows stream (X_RMS; planner.ROUTER_RMS_MAX_TOKENS): the same x. The slice is gathered by every rank,
+or a group: kernels/gemv.py group_window). The slice is gathered by every rank,
 so ``router_task`` returns the register tile; its caller stores it into each
-destination's logits columns.
+destination's logits columns. The mono launch's single-token tasks may read the
+seam's h instead and form x = rms(h, post_attention_layernorm) as their rows
+stream (X_RMS; planner.ROUTER_RMS_MAX_TOKENS): the same x.
 """
 
 from __future__ import annotations
