@@ -50,14 +50,15 @@ from k3mono.weights import shard
 import triton
 import triton.language as tl
 
-from k3mono.kernels.attnres import launch_attnres
+from k3mono.kernels.attnres import launch_attnres, seam_scale
 from k3mono.kernels.common import as_f32, to_bf16
 from k3mono.kernels.final import launch_final_partial
 from k3mono.kernels.latent_down import launch_latent_down
 from k3mono.kernels.latent_norm import launch_latent_parts
 from k3mono.kernels.oproj import launch_oproj
 from k3mono.kernels.reduce import launch_final_reduce, launch_reduce_prefix
-from k3mono.kernels.router import launch_router
+from k3mono.kernels.gemv import even_k, store_rows
+from k3mono.kernels.router import launch_router, router_task
 from k3mono.kernels.shared import launch_shared_gate_up
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -361,6 +362,52 @@ def test_router(case):
     assert_partial(got, st.router_logits(BF16, x, w.router), abs_scale(x, w.router), "logits")
     assert_nan(logits[:, : rank * n], "logits left of the slice")
     assert_nan(logits[:, (rank + 1) * n :], "logits right of the slice")
+
+
+@triton.jit
+def _router_rms_kernel(
+    h_ptr,  # [1, H] bf16: the seam's h
+    hsq_ptr,  # [1, CH] fp32: its chunks' sums of squares
+    norm_ptr,  # [H] bf16
+    eps,
+    w_ptr,  # [E/T, H] bf16
+    out_ptr,  # [1, E/T] fp32 out
+    H: tl.constexpr,
+    SC: tl.constexpr,
+    N: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The mono launch's single-token router task (kernels/mono.py router_push_task, ROUTER_RMS) as a grid."""
+    task = tl.program_id(0)
+    tile = router_task(task, 0, h_ptr, H, w_ptr, H, 1, N, H, 1, ROWS, BLOCK_K, False, EVEN_K, False, norm_ptr,
+                       seam_scale(0, hsq_ptr, eps, H, SC), True)
+    store_rows(out_ptr, N, tile, task * ROWS, 0, 1, N, 1, ROWS)
+
+
+@pytest.mark.parametrize("name,tp,layer", [("tiny", 2, 13), ("small", 4, 60)])
+def test_single_token_router_forms_the_norms_x(name, tp, layer):
+    """S = 1: router tasks that form x from the seam's h (gemv X_RMS) give the
+    logits of the router over the norm step's x, bit for bit."""
+    rank = tp - 1
+    cfg, w = rank_shard(name, tp, rank)
+    geom = stage_geometry(cfg, tp, 1)
+    assert geom.router_rms
+    inputs = random_inputs(cfg, 1, layer, seed=45)
+    nb, seam = cfg.num_blocks(layer), seam_scratch(cfg, 1, geom)
+    x = poisoned((1, cfg.hidden_size), torch.bfloat16)
+    launch_attnres(dev(inputs["prefix"]), dev(inputs["blocks"]), nb, dev(w.ares_norm), dev(w.ares_proj),
+                   dev(w.post_norm), cfg.rms_norm_eps, x, seam, geom)
+    n, tile = cfg.num_experts // tp, geom.router
+    want = poisoned((1, n), torch.float32)
+    launch_router(x, dev(w.router), want, geom)
+    got = poisoned((1, n), torch.float32)
+    _router_rms_kernel[(-(-n // tile.rows),)](
+        seam["seam_h"], seam["seam_hsq"], dev(w.post_norm), cfg.rms_norm_eps, dev(w.router), got,
+        H=cfg.hidden_size, SC=geom.seam_cols, N=n, ROWS=tile.rows, BLOCK_K=tile.block_k,
+        EVEN_K=even_k(cfg.hidden_size, tile.block_k), num_warps=tile.warps)
+    assert torch.isfinite(got).all() and torch.equal(got.cpu(), want.cpu()), "logits differ from the norm's x"
 
 
 @pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 5, "planned")] + X_GROUP_CASES, ids=case_id)
