@@ -123,8 +123,8 @@ row a task at S = 1 (the router's 112 rows at TP8) that hides behind the
 memory round trips; more tokens or rows would not. The latent down and shared
 tasks still read the norm's x (the route, not z, sets when the experts start).
 The staged path keeps its norm kernel; both give the same logits. Measured on
-one H100 against the commit before (docs/PERF.md, cfd5a34): S = 1 72.4, 72.5
--> 71.2, 71.0 us."""
+two H100s against the commit before (docs/PERF.md, cfd5a34): S = 1 72.4, 72.5
+-> 71.2, 71.0 us and 71.8, 71.7 -> 70.4, 70.5."""
 
 SEAM_COLS = 512
 SEAM_MIN_CHUNKS = 2
