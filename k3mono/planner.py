@@ -112,7 +112,8 @@ and 4 latent rows (mono.SINGLE_TOKEN_ROUTER_ROWS, SINGLE_TOKEN_LATENT_ROWS:
 68.3 to 68.7 us against 69.1 to 70.0 on an H200, docs/PERF.md)."""
 
 ROUTER_RMS_MAX_TOKENS = 1
-"""Up to this many tokens (on the FMA path) the mono launch's router tasks form x
+"""Up to this many tokens (1 at most: gemv's X_RMS and the router tasks' wait for
+token 0's mix take one token) the mono launch's router tasks form x
 = rms(h, post_attention_layernorm) from the seam's h as they stream their rows
 (kernels/gemv.py X_RMS; the scale from the mix's sums, as the norm's tasks
 compute it: the same bits), so the route does not wait for the seam's norm
@@ -601,7 +602,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         latent_part=latent_part_cols(L),
         x_group=x_group,
         x_group_dot=x_dot,
-        router_rms=tokens <= ROUTER_RMS_MAX_TOKENS and not x_dot,
+        router_rms=tokens <= ROUTER_RMS_MAX_TOKENS,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )
