@@ -35,7 +35,9 @@
 # S = 1 timed, the traces; expert_mma: the expert
 # stages on tensor cores checked and timed (staged), the mono launch with them checked; expert_mma_sweep: it timed;
 # norm_scale: the latent norm's scale in FINAL checked, timed against the tree in $K3MONO_BASE, traced; router_rms:
-# the S = 1 router forming x from h, the same;
+# the S = 1 router forming x from h, the same; x_parts: the router and latent down by parts of K timed, traced, checked;
+# x_parts_default: with parts the default, the route early and 2 parts timed, the traces, the check;
+# expert_prefetch: the expert tasks' rows asked for at once, timed, the S = 8 trace;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -242,6 +244,27 @@ for s in $STEPS; do
             --also x_token_groups=1 x_group_tokens=8 router_rows=1
         step x8_trace 80 python3 benchmarks/mono_trace.py --tokens 8 --set x_token_groups=1 x_group_tokens=8 \
             --out "$RESULTS" ;;
+    x_parts)  # the router and latent down tiles by parts of K (TileChoice.x_k_parts): timed against the defaults
+        # at S = 8 and 16 (7 and 4 parts), the S = 8 trace at 7, then checked (mono and staged, T = 1 and
+        # loopback T = 8, S = 8 and 16)
+        step x_parts_ab 270 python3 benchmarks/defaults_ab.py --field x_k_parts --values 1 7 4 --tokens 8 16
+        step x_parts_trace 70 python3 benchmarks/mono_trace.py --tokens 8 --set x_k_parts=7 --out "$RESULTS"
+        step x_parts_check 200 python3 benchmarks/gpu_check.py --tp 8 1 --tokens 8 16 --x-k-parts 7 --grids 132 \
+            --occupy-sms 0 ;;
+    x_parts_default)  # with MONO_X_K_PARTS the default: the route's tasks before SHARED_GU or after, 4 parts against
+        # 2, both timed at S = 8 and 16; the S = 8 and 16 traces; the mono check (loopback T = 8, S = 8 and 16)
+        step route_early_ab 170 python3 benchmarks/defaults_ab.py --field route_early --values 0 1 --tokens 8 16
+        step x_parts_2_ab 150 python3 benchmarks/defaults_ab.py --field x_k_parts --values 4 2 --tokens 8 16
+        step x_parts_traces 80 python3 benchmarks/mono_trace.py --tokens 8 16 --out "$RESULTS"
+        step x_parts_default_check 90 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 8 16 --grids 132 \
+            --occupy-sms 0 --layers-tokens ;;
+    expert_prefetch)  # the expert tasks asking for all their rows at once (MonoOptions.prefetch_down,
+        # prefetch_gate_up): timed against the defaults (down at S = 1, 8 and 16, gate/up at S = 1 and 8), the S = 8
+        # trace with the down tasks' prefetch
+        step prefetch_down_ab 220 python3 benchmarks/defaults_ab.py --field prefetch_down --values 0 1 --tokens 1 8 16
+        step prefetch_gate_up_ab 130 python3 benchmarks/defaults_ab.py --field prefetch_gate_up --values 0 1 \
+            --tokens 1 8
+        step prefetch_down_trace 60 python3 benchmarks/mono_trace.py --tokens 8 --set prefetch_down=1 --out "$RESULTS" ;;
     final_split)  # FINAL's shared down-projection before its own wait for the latent (MonoOptions.final_split),
         # and the shared weights into L2 while the chain settles (prefetch_shared): timed against the defaults at
         # S = 1 (shared tasks late, the default, and early), 8 and 16

@@ -267,7 +267,9 @@ def main() -> int:
         shards = shard_all(full, cfg, tp) if tp > 1 else [full]
         for tokens in args.tokens if not args.skip_staged else ():
             started = time.time()
-            staged = StagedLayer(cfg, shards, tokens, LAYER)
+            # the staged path's own tiles, but for the parts of K the command may give (its router and latent down)
+            staged = StagedLayer(cfg, shards, tokens, LAYER,
+                                 tiles=TileChoice(x_k_parts=args.x_k_parts) if args.x_k_parts else TileChoice())
             inputs = {k: v.to(device) for k, v in random_inputs(cfg, tokens, LAYER, seed=31 * tp + tokens).items()}
             oracle = Oracle(cfg, full, inputs, LAYER)
             result = staged(**inputs)

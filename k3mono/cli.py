@@ -36,6 +36,7 @@ PLAN_TILE_KNOBS = {
     "oproj_rows": "rows of an o_proj task",
     "final_rows": "rows of a FINAL task",
     "x_group_tokens": "tokens a router / latent down group takes with --x-token-groups: 4 or 8",
+    "x_k_parts": "S > 4 (tl.dot): parts of K a router / latent down row tile is cut into (1, 2, 4, 7 or 14)",
 }
 """TileChoice fields ``plan`` takes as flags; each left out is the mono launch's
 measured default for the S asked (mono.default_options), as are --ctas-per-sm and

@@ -24,12 +24,15 @@ Scratch of a rank (only that rank reads and writes it):
     seam_hsq   [S, CH]       fp32   the seam's per-chunk sums of h^2
     split_o    [splits, S, heads_r, DL] fp32   M1c's split outputs (only with M1C tasks)
     split_lse  [splits, S, heads_r]     fp32   their log-sum-exps   (only with M1C tasks)
+    logits_parts [X - 1, S, E/T] fp32   a split router tile's earlier parts' partial logits (only when X > 1)
+    z_parts      [X - 1, S, L/T] fp32   a split latent down tile's earlier parts' partial z (only when X > 1)
 
 P = ceil(E / planner.route_chunk) route parts, K_PAD = K rounded up to a power
 of two; PL = ceil(L / planner.latent_part_cols) latent parts; CH = ceil(H /
 planner.seam_cols(H)) seam chunks, PCH = ceil(H / planner.SEAM_SCORE_COLS)
 score chunks; CP = planner.seam_candidates_max (the model's widest seam), so
-one layout serves every layer.
+one layout serves every layer. X = planner.StageGeometry.x_parts, the parts of K
+a router or latent down row tile is cut into (planner.X_K_PARTS).
 
 The split outputs are the launch's own: written by its M1C tasks, read by its
 M1B tasks a few microseconds later (an L2 round trip), so the host neither
@@ -87,9 +90,10 @@ def peer_layout(cfg: K3Config, tp: int, tokens: int) -> dict:
     )
 
 
-def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
+def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None, x_parts: int = 1) -> dict:
     """A rank's scratch buffer: name -> (byte offset, shape, dtype). ``m1c``: the
-    launch's M1C tasks (planner.M1cGeometry: splits, heads, latent), or None."""
+    launch's M1C tasks (planner.M1cGeometry: splits, heads, latent), or None;
+    ``x_parts``: the parts of K of a router / latent down tile (StageGeometry.x_parts)."""
     H, K, L, S = cfg.hidden_size, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, tokens
     E, chunks = cfg.num_experts, -(-H // seam_cols(H))
     regions = {
@@ -108,6 +112,9 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None) -> dict:
     if m1c is not None:
         regions["split_o"] = ((m1c.splits, S, m1c.heads, m1c.latent), torch.float32)
         regions["split_lse"] = ((m1c.splits, S, m1c.heads), torch.float32)
+    if x_parts > 1:
+        regions["logits_parts"] = ((x_parts - 1, S, E // tp), torch.float32)
+        regions["z_parts"] = ((x_parts - 1, S, L // tp), torch.float32)
     return _pack(regions)
 
 

@@ -83,8 +83,9 @@ from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, check_same_device, check_unit_stride, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
 from .mxfp4 import ExpertOrderCache, expert_order, expert_order_cache
-from .planner import (COL, MONO_WARPS, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice,
-                      next_pow2, plan, resident_register_cap, timing_variant)
+from .planner import (COL, MONO_WARPS, OPT_EXPERT_EVICT_FIRST, OPT_PREFETCH_DOWN, OPT_PREFETCH_GATE_UP, PEER_FLAGS,
+                      M1bShape, M1cShape, MonoOptions, TileChoice, next_pow2, plan, resident_register_cap,
+                      timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_blocks, check_layer_inputs
 from .weights import LayerWeights, check_shard
@@ -163,8 +164,23 @@ the shorter loop saves; one order for every S lets an engine turn its experts on
 in place (weights.experts_in_f16_order_), and hold no second copy of them."""
 
 
-DEFAULT_TILES = TileChoice(expert_lookahead=True, oproj_rows=32, final_rows=32, expert_f16=EXPERT_F16_SUMS)
-"""The staged path's tiles (32 expert rows, 2 router rows) with expert loops
+MONO_X_K_PARTS = 4
+"""Parts of K a router or latent down row tile of the mono launch is cut into on
+the tl.dot path, S > 4 (TileChoice.x_k_parts; planner.X_K_PARTS says how; the
+staged path, a program a tile with nothing to wait for, keeps 1). Measured on
+one H100 (benchmarks/defaults_ab.py, one rank of TP8, docs/PERF.md), parts 1 /
+7 / 4, us: S = 8 210.6, 209.3 / 208.1, 207.5 / 205.1, 204.4; S = 16 325.2, 324.0
+/ 321.9, 321.7 / 321.5, 322.2; parts 4 / 2 on another H100: S = 8 204.9, 204.9
+/ 203.6, 202.7, S = 16 321.2, 320.9 / 324.5, 325.0. The S = 8 trace at 7 parts
+had the route's first token at 32.7 us (48.5 at 1 part on an H200); the expert
+gate/up phase, HBM-bound, ended where it did. With the router short, the
+route's tasks before SHARED_GU (route_early) still gained nothing: S = 8 205.2,
+205.6 -> 204.9, 204.6, S = 16 322.0, 321.9 -> 321.9, 322.6."""
+
+DEFAULT_TILES = TileChoice(expert_lookahead=True, oproj_rows=32, final_rows=32, expert_f16=EXPERT_F16_SUMS,
+                           x_k_parts=MONO_X_K_PARTS)
+"""The staged path's tiles (32 expert rows, 2 router rows) with the router and
+latent down by MONO_X_K_PARTS parts of K above S = 4, expert loops
 summing in f16 (EXPERT_F16_SUMS) and loading a step ahead, and 32-row o_proj
 and FINAL tasks, measured on the H200
 (benchmarks/mono_sweep.py, docs/PERF.md): the lookahead took S = 1 from 125.9
@@ -278,7 +294,8 @@ def default_options(tokens: int, **choices) -> MonoOptions:
 
 
 OPTION_FIELDS = ("prefetch_final", "prefetch_final_early", "prefetch_shared", "route_early", "shared_late",
-                 "expert_evict_first", "final_split", "poll_sleep_ns", "ctas_per_sm")
+                 "expert_evict_first", "final_split", "prefetch_gate_up", "prefetch_down", "poll_sleep_ns",
+                 "ctas_per_sm")
 """The MonoOptions fields ``default_options_with`` sets (the others are shapes or tiles)."""
 
 
@@ -438,7 +455,7 @@ def build(key: MonoBuild) -> Compiled:
     H, C, E, L, I, SI = cfg.matrix_dims
     data = data_layout(key)
     peer = peer_regions(key, table.num_flag_words)
-    scratch_lay = scratch_layout(cfg, T, S, g.m1c)
+    scratch_lay = scratch_layout(cfg, T, S, g.m1c, g.x_parts)
     scratch = _scratch_regions(scratch_lay)
     half = peer["parity1"][0]
     # The interpreter runs programs one after another: the first walks the whole
@@ -457,14 +474,17 @@ def build(key: MonoBuild) -> Compiled:
         USE_DOT=g.use_dot, XG=g.x_group, XGP=g.x_group_pad, XG_DOT=g.x_group_dot, ROUTER_RMS=g.router_rms,
         UPCAST=common.UPCAST_DOT,
         O_ROWS=g.oproj.rows, O_BK=g.oproj.block_k, O_EVEN=even_k(C // T, g.oproj.block_k),
-        R_ROWS=g.router.rows, R_BK=g.router.block_k, R_EVEN=even_k(H, g.router.block_k),
-        LD_ROWS=g.latent_down.rows, LD_BK=g.latent_down.block_k, LD_EVEN=even_k(H, g.latent_down.block_k),
+        X_PARTS=g.x_parts,  # the router and latent down tiles cover H / X_PARTS columns a task
+        R_ROWS=g.router.rows, R_BK=g.router.block_k, R_EVEN=even_k(H // g.x_parts, g.router.block_k),
+        LD_ROWS=g.latent_down.rows, LD_BK=g.latent_down.block_k,
+        LD_EVEN=even_k(H // g.x_parts, g.latent_down.block_k),
         SG_ROWS=g.shared_gate_up.rows, SG_BK=g.shared_gate_up.block_k, SG_EVEN=even_k(H, g.shared_gate_up.block_k),
         F_ROWS=g.final.rows, F_BK=g.final.block_k, F_EVEN_L=even_k(L // T, g.final.block_k),
         F_EVEN_S=even_k(SI // T, g.final.block_k),
         GU_ROWS=g.expert_gate_up.rows, GU_BG=_block_groups(g.expert_gate_up),
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
+        PREFETCH_GU=bool(key.opt & OPT_PREFETCH_GATE_UP), PREFETCH_DN=bool(key.opt & OPT_PREFETCH_DOWN),
         EXPERT_DEQUANT=DEQUANT_F16 if key.tiles.expert_f16 else DEFAULT_DEQUANT,
         CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),
@@ -478,6 +498,8 @@ def build(key: MonoBuild) -> Compiled:
         LSQ_F=elems(scratch["latent_sq"][0], 4),
         SACT_B=elems(scratch["shared_act"][0], 2), SPART_F=elems(scratch["seam_part"][0], 4),
         SH_B=elems(scratch["seam_h"][0], 2), SHSQ_F=elems(scratch["seam_hsq"][0], 4), CTL_I=elems(scratch["ctl"][0], 4),
+        LPARTS_F=elems(scratch["logits_parts"][0], 4) if g.x_parts > 1 else 0,
+        ZPARTS_F=elems(scratch["z_parts"][0], 4) if g.x_parts > 1 else 0,
         PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b), **_m1c_consts(g.m1c),
         TRACE=key.trace,
         SLEEP_NS=0 if _interpreting() else key.poll_sleep_ns,  # the interpreter has no sleep (a timing knob only)

@@ -287,6 +287,22 @@ at S = 8 202.3, 202.1 / 202.6, 202.7. Eight tokens' FMAs make the tasks
 compute-bound (the S = 8 trace: 13.7 us a 2-row router task, 18.2 a latent
 task, the route at 41.9 us): off."""
 
+X_K_PARTS = 1
+X_K_PARTS_CHOICES = (1, 2, 4, 7, 14)
+"""On the tl.dot path (S > FMA_MAX_TOKENS, no token groups) the router and the
+latent down-projection may cut K = H into this many parts (TileChoice.x_k_parts;
+H a multiple of it): a task per (row tile, part) streams 1/parts of the tile's
+rows, 16 rows being tl.dot's least. At TP8 the router is 7 such tiles and the
+latent down 28, each 229 KB a step (8 KB) a memory round trip after another:
+17.6 us a task in the S = 8 trace at 74e726e (x ready at 18.5, the route at
+48.5), while the rest of the grid waits. The parts before a tile's last store
+their fp32 partials in scratch and raise a local flag; the last part (last in
+table order) computes its own, polls that flag in the task, sums the parts in
+part order from zero and pushes the tile (the logits; z rounded to bf16 after
+the sum). The staged path sums the same parts in the same order in one program
+(kernels/gemv.py gemv_parts_tile), so both give the same bits."""
+
+
 BACK_BLOCK_DV = 32
 BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
 """Value rows of one head an M1b task (or program) produces: 4 a head, 48 tasks
@@ -301,7 +317,7 @@ head's splits, so fewer rows make more, shorter tasks that repeat the combine.""
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
     build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, LATENT_ROWS, SHARED_ROWS,
-    EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS and X_TOKEN_GROUPS)."""
+    EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS and X_K_PARTS)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
@@ -318,6 +334,7 @@ class TileChoice:
     expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
     x_token_groups: bool = X_TOKEN_GROUPS  # above FMA_MAX_TOKENS: router and latent down by groups of tokens
     x_group_tokens: int = X_GROUP_TOKENS  # tokens such a group takes (X_GROUP_TOKENS_CHOICES)
+    x_k_parts: int = X_K_PARTS  # the tl.dot router and latent down: parts of K a row tile (X_K_PARTS_CHOICES)
 
     def check(self) -> None:
         for name in ("dense_step_kb", "shared_step_kb"):
@@ -337,6 +354,8 @@ class TileChoice:
         if self.x_group_tokens not in X_GROUP_TOKENS_CHOICES:
             raise K3InputError(f"tiles.x_group_tokens: expected one of {X_GROUP_TOKENS_CHOICES}, "
                                f"got {self.x_group_tokens!r}")
+        if self.x_k_parts not in X_K_PARTS_CHOICES:
+            raise K3InputError(f"tiles.x_k_parts: expected one of {X_K_PARTS_CHOICES}, got {self.x_k_parts!r}")
         if self.shared_rows not in SHARED_ROWS_CHOICES:
             raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
         for name in ("expert_lookahead", "expert_mma", "expert_f16", "x_token_groups"):
@@ -423,6 +442,7 @@ class StageGeometry:
     x_group: int  # tokens a router / latent down task takes (X_TOKEN_GROUPS): S, or a group's
     x_group_dot: bool  # whether the router and latent down tasks run tl.dot (else FMAs)
     router_rms: bool  # whether the router tasks form x from the seam's h (ROUTER_RMS_MAX_TOKENS)
+    x_parts: int = 1  # parts of K a router / latent down row tile is cut into (X_K_PARTS; 1 off the tl.dot path)
     m1b: "M1bGeometry | None" = None  # the mono launch's M1b tasks (MonoOptions.m1b)
     m1c: "M1cGeometry | None" = None  # the mono launch's M1c tasks (MonoOptions.m1c)
 
@@ -581,13 +601,16 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
     use_dot = tokens > FMA_MAX_TOKENS
     x_dot = use_dot and not tiles.x_token_groups
     x_group = min(tokens, tiles.x_group_tokens) if use_dot and tiles.x_token_groups else tokens
+    x_parts = tiles.x_k_parts if x_dot else 1
+    if H % x_parts:
+        raise K3InputError(f"tiles.x_k_parts: hidden_size {H} is not a multiple of {x_parts} parts")
     return StageGeometry(
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
         oproj=_dense(H, C // tp, use_dot, step_kb, tiles.oproj_rows),
-        router=_dense(E // tp, H, x_dot, step_kb, tiles.router_rows),
-        latent_down=_dense(L // tp, H, x_dot, step_kb, tiles.latent_rows),
+        router=_dense(E // tp, H // x_parts, x_dot, step_kb, tiles.router_rows),  # a part's K
+        latent_down=_dense(L // tp, H // x_parts, x_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, tiles.shared_step_kb, tiles.shared_rows),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
         expert_gate_up=(expert_mma_tile(I // tp) if tiles.expert_mma
@@ -603,6 +626,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         x_group=x_group,
         x_group_dot=x_dot,
         router_rms=tokens <= ROUTER_RMS_MAX_TOKENS,
+        x_parts=x_parts,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
     )
@@ -728,8 +752,10 @@ OPT_EXPERT_EVICT_FIRST = 1 << 5
 OPT_FINAL_SPLIT = 1 << 6
 OPT_PREFETCH_SHARED = 1 << 7
 OPT_PREFETCH_FINAL_EARLY = 1 << 8
+OPT_PREFETCH_GATE_UP = 1 << 9
+OPT_PREFETCH_DOWN = 1 << 10
 OPT_ALL = (OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE | OPT_EXPERT_EVICT_FIRST
-           | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED | OPT_PREFETCH_FINAL_EARLY)
+           | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED | OPT_PREFETCH_FINAL_EARLY | OPT_PREFETCH_GATE_UP | OPT_PREFETCH_DOWN)
 
 
 class TaskKind(enum.IntEnum):
@@ -776,10 +802,15 @@ class Flag(enum.IntEnum):
     MIXED = 14  # [token]      seam h and its partial squares written, every chunk
     RANKED = 15  # [token]     route parts' top-K keys written, every part
     DISCARD = 16  # [1]        raised by a timing variant's task copies only; never awaited
+    LOGIT_PARTS = 17  # [router tile, 0 unsplit] the tile's first parts' partial logits written (X_K_PARTS)
+    Z_PARTS = 18  # [latent tile, 0 unsplit]     the tile's first parts' partial z written (X_K_PARTS)
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
 """Flags raised on every rank (they travel with a push into peer regions)."""
+
+X_PART_FLAGS = {TaskKind.ROUTER: Flag.LOGIT_PARTS, TaskKind.LATENT_DOWN: Flag.Z_PARTS}
+"""The local flag a split-K kind's first parts raise (X_K_PARTS), by kind."""
 
 
 @dataclass(frozen=True)
@@ -842,6 +873,18 @@ class MonoOptions:
     ran 49.6 to 59.3 us while PREFETCH_FINAL pulled FINAL's rows, 47.4 to 60.2).
     They must then stay in L2 through the expert phase. The same sums. Measured
     slower on an H100 (S = 1 76.9 against 75.0 us, S = 8 211.3 against 209.6): off.
+    prefetch_gate_up, prefetch_down (build-key bits, ``bits()``): every
+    EXPERT_GU / EXPERT_DOWN task asks the copy engine for all of its weight rows
+    and scales once its expert ids are known, before its other waits, whatever
+    the launch's prefetch mode (kernels/mono.py step 2): a task's loop keeps one
+    or two 8 KB steps in flight, so its rows otherwise arrive a memory round
+    trip a step; asked for at once, they stream while the loop reads L2. The
+    same table and the same sums. Measured slower on an H100 (one rank of TP8,
+    benchmarks/defaults_ab.py, us): prefetch_down S = 1 70.4, 70.7 -> 72.2, 72.1,
+    S = 8 205.3, 205.6 -> 211.7, 211.4, S = 16 322.0, 321.8 -> 353.6, 355.0;
+    prefetch_gate_up S = 1 70.6, 70.6 -> 74.7, 74.4, S = 8 205.9, 204.9 -> 210.6,
+    209.8 (the S = 8 trace: a down task 12.3 us against 13.6, but the phase ended
+    7 us later): off.
     """
 
     prefetch_final: bool = False
@@ -856,6 +899,8 @@ class MonoOptions:
     final_split: bool = False
     prefetch_shared: bool = False
     prefetch_final_early: bool = False
+    prefetch_gate_up: bool = False
+    prefetch_down: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
@@ -863,7 +908,8 @@ class MonoOptions:
                 | (OPT_SHARED_LATE if self.shared_late else 0)
                 | (OPT_EXPERT_EVICT_FIRST if self.expert_evict_first else 0)
                 | (OPT_FINAL_SPLIT if self.final_split else 0) | (OPT_PREFETCH_SHARED if self.prefetch_shared else 0)
-                | (OPT_PREFETCH_FINAL_EARLY if self.prefetch_final_early else 0))
+                | (OPT_PREFETCH_FINAL_EARLY if self.prefetch_final_early else 0)
+                | (OPT_PREFETCH_GATE_UP if self.prefetch_gate_up else 0) | (OPT_PREFETCH_DOWN if self.prefetch_down else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
@@ -879,7 +925,8 @@ class MonoOptions:
                    tiles=tiles, poll_sleep_ns=poll_sleep_ns, route_early=bool(bits & OPT_ROUTE_EARLY),
                    shared_late=bool(bits & OPT_SHARED_LATE), expert_evict_first=bool(bits & OPT_EXPERT_EVICT_FIRST),
                    final_split=bool(bits & OPT_FINAL_SPLIT), prefetch_shared=bool(bits & OPT_PREFETCH_SHARED),
-                   prefetch_final_early=bool(bits & OPT_PREFETCH_FINAL_EARLY))
+                   prefetch_final_early=bool(bits & OPT_PREFETCH_FINAL_EARLY),
+                   prefetch_gate_up=bool(bits & OPT_PREFETCH_GATE_UP), prefetch_down=bool(bits & OPT_PREFETCH_DOWN))
 
 
 @dataclass(frozen=True)
@@ -970,7 +1017,7 @@ TABLE_COLUMNS = (
     "start",  # first row / column of the tile
     "stop",  # one past its last
     "token",  # -1 where the kind is not per token
-    "slot",  # routed slot 0..K-1 (EXPERT_GU), else -1
+    "slot",  # routed slot 0..K-1 (EXPERT_GU), the part of K (a split ROUTER / LATENT_DOWN tile), else -1
     "num_waits",
     "addr_waits",  # the first addr_waits waits gate the weight addresses: poll, load, poll the rest
     *(f"wait{i}_{part}" for i in range(MAX_WAITS) for part in ("word", "count")),
@@ -1168,6 +1215,15 @@ def _group_tokens(table: TaskTable, task: Task) -> slice:
     return slice(task.token, min(task.token + table.geometry.x_group, table.tokens))
 
 
+def _x_gemv_writes(table: TaskTable, task: Task, rank: int, region: str, full: int) -> list[Write]:
+    """A ROUTER / LATENT_DOWN task's push of its rows into every rank's ``region``;
+    a split tile's earlier parts (X_K_PARTS) their partial in ``region``_parts."""
+    parts = table.geometry.x_parts
+    if parts > 1 and task.slot < parts - 1:
+        return [Write(f"{region}_parts", False, (task.slot, slice(None), slice(*task.span)))]
+    return [Write(region, True, (_group_tokens(table, task), _rank_cols(table, task, rank, full)))]
+
+
 _WRITES = {
     TaskKind.M1C: lambda tb, t, r: _split_writes(tb, t),
     TaskKind.M1B: lambda tb, t, r: [Write("core", False, _all_rows(*t.span))],
@@ -1179,12 +1235,8 @@ _WRITES = {
         Write("seam_h", False, (t.token, slice(*t.span))), Write("seam_hsq", False, (t.token, t.tile))
     ],
     TaskKind.SEAM_NORM: lambda tb, t, r: [Write("x", False, (t.token, slice(*t.span)))],
-    TaskKind.ROUTER: lambda tb, t, r: [
-        Write("logits", True, (_group_tokens(tb, t), _rank_cols(tb, t, r, tb.cfg.num_experts)))
-    ],
-    TaskKind.LATENT_DOWN: lambda tb, t, r: [
-        Write("z", True, (_group_tokens(tb, t), _rank_cols(tb, t, r, tb.cfg.routed_expert_hidden_size)))
-    ],
+    TaskKind.ROUTER: lambda tb, t, r: _x_gemv_writes(tb, t, r, "logits", tb.cfg.num_experts),
+    TaskKind.LATENT_DOWN: lambda tb, t, r: _x_gemv_writes(tb, t, r, "z", tb.cfg.routed_expert_hidden_size),
     TaskKind.SHARED_GU: lambda tb, t, r: [Write("shared_act", False, _all_rows(*t.span))],
     TaskKind.ROUTE_PART: lambda tb, t, r: [Write("route_keys", False, (t.token, t.tile))],
     TaskKind.ROUTE: lambda tb, t, r: [Write("route_ids", False, (t.token,)), Write("route_w", False, (t.token,))],
@@ -1354,12 +1406,30 @@ class _Planner:
         the others from L2. ``token`` is the group's first. They wait for x
         (``x_written``, by default every seam norm task's)."""
         x_written = x_written or _WaitSpec(Flag.X_READY, 0, self.S * len(self.seam_chunks))
+        if kind in X_PART_FLAGS and self.g.x_parts > 1:
+            self._x_gemv_parts(kind, tile_list, names, flag, x_written)
+            return
         firsts = range(0, self.S, group_tokens or self.S)
         for tile, lo, hi in tile_list:
             for first in firsts:
                 streams = self._rows(names, lo, hi) if first == 0 and stream_weights else ()
                 self.add(kind, tile=tile, span=(lo, hi), token=first if group_tokens else -1, streams=streams,
                          waits=[x_written], raises=[(flag, 0)])
+
+    def _x_gemv_parts(self, kind, tile_list, names, flag, x_written):
+        """X_K_PARTS: a task per (row tile, part of K), part-major within a tile
+        (``slot`` = the part), each streaming its part of the rows. The parts
+        before the last raise the tile's X_PART_FLAGS word; the last polls it in
+        the task, after its own part, and raises ``flag`` for the tile."""
+        parts = self.g.x_parts
+        parts_flag = X_PART_FLAGS[kind]
+        for tile, lo, hi in tile_list:
+            streams = tuple((name, n // parts) for name, n in self._rows(names, lo, hi))
+            for part in range(parts - 1):
+                self.add(kind, tile=tile, span=(lo, hi), slot=part, streams=streams, waits=[x_written],
+                         raises=[(parts_flag, tile)])
+            self.add(kind, tile=tile, span=(lo, hi), slot=parts - 1, streams=streams,
+                     waits=[x_written, _WaitSpec(parts_flag, tile, parts - 1, in_task=True)], raises=[(flag, 0)])
 
     def _x_group(self) -> int | None:
         return self.g.x_group if self.g.x_group < self.S else None
@@ -1490,6 +1560,8 @@ class _Planner:
             Flag.MIXED: per_token,
             Flag.RANKED: per_token,
             Flag.DISCARD: 1,
+            Flag.LOGIT_PARTS: len(self.router_tiles) if self.g.x_parts > 1 else 0,
+            Flag.Z_PARTS: len(self.latent_tiles) if self.g.x_parts > 1 else 0,
         }
         return tuple((flag, slots[flag]) for flag in Flag)
 
@@ -1519,7 +1591,7 @@ def _ticketed(specs: list[_TaskSpec]) -> tuple[Task, ...]:
     return tuple(tasks)
 
 
-IN_TASK_WAIT_KINDS = frozenset({TaskKind.FINAL})
+IN_TASK_WAIT_KINDS = frozenset({TaskKind.FINAL, TaskKind.ROUTER, TaskKind.LATENT_DOWN})
 """Kinds whose task function polls its in-task waits itself (kernels/mono.py)."""
 
 
@@ -1539,7 +1611,9 @@ def _check_invariant(tasks: tuple[Task, ...]) -> None:
         if len(task.waits) > MAX_WAITS:
             raise AssertionError(f"planner: ticket {task.ticket} has {len(task.waits)} waits, at most {MAX_WAITS}")
         in_task = [w.in_task for w in task.waits]
-        if in_task != sorted(in_task) or (any(in_task) and task.kind not in IN_TASK_WAIT_KINDS):
+        part_flag = X_PART_FLAGS.get(task.kind)  # a split tile's last part polls only its parts' flag
+        if (in_task != sorted(in_task) or (any(in_task) and task.kind not in IN_TASK_WAIT_KINDS)
+                or any(w.in_task and part_flag not in (None, w.flag) for w in task.waits)):
             raise AssertionError(f"planner: ticket {task.ticket} ({task.kind.name}) has in-task waits {in_task}: "
                                  f"only the last waits of {[k.name for k in IN_TASK_WAIT_KINDS]} may be")
 

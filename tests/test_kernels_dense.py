@@ -202,8 +202,19 @@ group whose window shifts back; 7 and 8 are one group of 8 (every FMA
 accumulator of the tile, 7 with a padding token)."""
 
 
+X_PARTS_CASES = [("tiny", 2, 8, "parts7"), ("small", 8, 16, "parts4"), ("tiny", 1, 5, "parts14")]
+"""Token counts past FMA_MAX_TOKENS (tl.dot) with each router and latent down tile
+summed over parts of K (TileChoice.x_k_parts): 224 / 14 = 16 columns a part, and
+448 / 4 = 112, not a power of two (the part's tail masked)."""
+
+
 def x_geometry(cfg, tp: int, S: int, geo: str):
-    """The geometry of the router and latent down cases: GEOMETRIES', or by token groups."""
+    """The geometry of the router and latent down cases: GEOMETRIES', by token groups, or by parts of K."""
+    if geo.startswith("parts"):
+        parts = int(geo.removeprefix("parts"))
+        geom = stage_geometry(cfg, tp, S, tiles=TileChoice(x_k_parts=parts))
+        assert geom.x_parts == parts and geom.x_group_dot
+        return geom
     if not geo.startswith("grouped"):
         return GEOMETRIES[geo](stage_geometry(cfg, tp, S))
     group = int(geo.removeprefix("grouped") or X_GROUP_TOKENS)
@@ -348,7 +359,8 @@ def test_attnres_reads_blocks_through_strides():
 # -- the GEMV stages on x ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 16, "planned")] + X_GROUP_CASES, ids=case_id)
+@pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 16, "planned")] + X_GROUP_CASES + X_PARTS_CASES,
+                         ids=case_id)
 def test_router(case):
     name, tp, S, geo = case
     rank = tp - 1
@@ -410,7 +422,8 @@ def test_single_token_router_forms_the_norms_x(name, tp, layer):
     assert torch.isfinite(got).all() and torch.equal(got.cpu(), want.cpu()), "logits differ from the norm's x"
 
 
-@pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 5, "planned")] + X_GROUP_CASES, ids=case_id)
+@pytest.mark.parametrize("case", cases(GEMV_TOKENS) + [("small", 16, 5, "planned")] + X_GROUP_CASES + X_PARTS_CASES,
+                         ids=case_id)
 def test_latent_down(case):
     name, tp, S, geo = case
     rank = tp - 1

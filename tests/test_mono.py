@@ -28,7 +28,7 @@ from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOW
 from k3mono.mxfp4 import mma_order
 from k3mono.kernels import mono as mono_kernels
 from k3mono.planner import (COL, MAX_WAITS, MONO_WARPS, SM_REGISTERS, M1bShape, MonoOptions, TaskKind, TileChoice,
-                            expert_mma_tile)
+                            expert_mma_tile, next_pow2)
 from k3mono.reference import layer_post_tp
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
@@ -286,7 +286,8 @@ def test_the_launch_options_change_no_bits():
     plain = MonoRunner(cfg, shards, tokens, layer, prefetch=0, options=MonoOptions())(**inputs)
     for options in (MonoOptions(prefetch_final=True, route_early=True),
                     MonoOptions(shared_late=True, expert_evict_first=True, final_split=True, prefetch_shared=True,
-                                prefetch_final=True, prefetch_final_early=True)):
+                                prefetch_final=True, prefetch_final_early=True),
+                    MonoOptions(route_early=True, prefetch_gate_up=True, prefetch_down=True)):
         eager = MonoRunner(cfg, shards, tokens, layer, prefetch=2, options=options)
         kinds = [task.kind for task in eager.compiled.table.tasks]
         assert (TaskKind.PREFETCH_FINAL in kinds) == options.prefetch_final
@@ -603,6 +604,37 @@ def test_router_and_latent_down_by_token_groups_stay_within_budget_and_match_sta
     runner = MonoRunner(cfg, shards, tokens, layer, options=options)
     geometry = runner.compiled.table.geometry
     assert geometry.x_groups == -(-tokens // group) and not geometry.x_group_dot and geometry.use_dot
+    got = runner(**inputs)
+    check_against_reference(cfg, shards, inputs, layer, got)
+    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
+    if tp == 1:
+        staged(**inputs)
+    assert staged.geom == geometry
+    for rank in range(tp):
+        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+
+
+X_PARTS_CASES = [(2, 8, 7, False), (1, 16, 4, True), (4, 5, 2, False)]
+
+
+@pytest.mark.parametrize("tp,tokens,parts,split", X_PARTS_CASES,
+                         ids=[f"T{t}-S{s}-X{p}-split{int(x)}" for t, s, p, x in X_PARTS_CASES])
+def test_router_and_latent_down_by_parts_of_k_stay_within_budget_and_match_staged(tp, tokens, parts, split):
+    """TileChoice.x_k_parts: past FMA_MAX_TOKENS tokens a router or latent down
+    row tile is cut into parts of K, the earlier parts' partials summed by the
+    tile's last task after its in-task wait: the launch stays within the
+    reference's budget, every tile lands once (the buffers are poisoned), and
+    the staged path, summing the same parts in one program, gives the same bits
+    on every rank; so it does with final_split and prefetch_shared on too."""
+    cfg, layer = preset("tiny"), 13
+    shards = shard_all(layer_weights(), cfg, tp)
+    inputs = random_inputs(cfg, tokens, layer, seed=53 + tokens)
+    tiles = TileChoice(x_k_parts=parts)
+    options = MonoOptions(tiles=tiles, final_split=split, prefetch_shared=split)
+    runner = MonoRunner(cfg, shards, tokens, layer, options=options)
+    geometry = runner.compiled.table.geometry
+    assert geometry.x_parts == parts and geometry.x_group_dot
+    assert geometry.router.block_k <= next_pow2(cfg.hidden_size // parts)
     got = runner(**inputs)
     check_against_reference(cfg, shards, inputs, layer, got)
     staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)

@@ -50,11 +50,15 @@ CONFIGS = (
 SIM_CASES = [(name, tp, s, sms) for name, tp, s in CONFIGS for sms in SMS]
 M1B_CONFIGS = [("kimi-k3", 8, 4), ("kimi-k3", 1, 16), ("tiny", 2, 3), ("tiny", 1, 1)]
 X_GROUP_CONFIGS = [("kimi-k3", 8, 16), ("kimi-k3", 2, 6), ("tiny", 2, 9), ("small", 8, 5)]
+X_PARTS = 7
+X_PARTS_CONFIGS = [("kimi-k3", 8, 8), ("kimi-k3", 2, 16), ("tiny", 2, 9), ("small", 8, 5)]
 TABLES = ([(*c, None) for c in CONFIGS] + [(*c, "m1b") for c in M1B_CONFIGS]
-          + [(*c, "m1c") for c in M1B_CONFIGS] + [(*c, "x_groups") for c in X_GROUP_CONFIGS])
+          + [(*c, "m1c") for c in M1B_CONFIGS] + [(*c, "x_groups") for c in X_GROUP_CONFIGS]
+          + [(*c, "x_parts") for c in X_PARTS_CONFIGS])
 """(preset, T, S, mla): every config plain, a few as MLA layers whose launch runs
 M1b ("m1b"), or M1c then M1b ("m1c"); a few past FMA_MAX_TOKENS tokens with the
-router and latent down by groups of tokens ("x_groups": TileChoice.x_token_groups)."""
+router and latent down by groups of tokens ("x_groups": TileChoice.x_token_groups)
+or by X_PARTS parts of K ("x_parts": TileChoice.x_k_parts)."""
 
 KIND_ORDER = [
     TaskKind.OPROJ,
@@ -92,7 +96,8 @@ def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: b
     m1b = m1b_shape(name, tp) if mla in ("m1b", "m1c") else None
     m1c = m1c_shape(name, tp, tokens) if mla == "m1c" else None
     options = MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c, route_early=route_early,
-                          shared_late=shared_late, tiles=TileChoice(x_token_groups=mla == "x_groups"),
+                          shared_late=shared_late,
+                          tiles=TileChoice(x_token_groups=mla == "x_groups", x_k_parts=X_PARTS if mla == "x_parts" else 1),
                           prefetch_shared=prefetch_shared, prefetch_final_early=prefetch_final_early)
     return plan(preset(name), tp, tokens, sms, options)
 
@@ -323,7 +328,8 @@ def test_an_in_task_wait_is_refused_where_no_task_polls_it():
 def coverage_arrays(table):
     """Zero counters for every region a task writes, with one rank's shapes."""
     cfg, tp, S = table.cfg, table.tp, table.tokens
-    scratch = scratch_layout(cfg, tp, S, table.geometry.m1c)  # M1C writes the split outputs there
+    # M1C writes the split outputs there, split router / latent down tiles their parts
+    scratch = scratch_layout(cfg, tp, S, table.geometry.m1c, table.geometry.x_parts)
     shapes = {name: shape for name, (_, shape, _) in {**peer_layout(cfg, tp, S), **scratch}.items()}
     shapes.pop("__end__")
     shapes["prefix"] = shapes["out"] = (S, cfg.hidden_size)
@@ -646,6 +652,17 @@ def test_one_program_walks_the_table_in_order_with_loopback_peers(name, tp, toke
             assert count[(wait.flag, wait.index)] >= wait.count, (task.ticket, task.kind, wait.flag)
         for r in task.raises:
             count[(r.flag, r.index)] += 1
+
+
+@pytest.mark.parametrize("name,tp,tokens,sms", [("kimi-k3", 2, 8, 7), ("small", 4, 16, 1), ("tiny", 2, 9, 132)])
+def test_launches_with_parts_of_k_complete_and_never_see_a_later_epochs_raises(name, tp, tokens, sms):
+    """A split tile's last part waits for its earlier parts (lower tickets) within the task."""
+    table = table_for(name, tp, tokens, sms, mla="x_parts")
+    last_parts = [t for t in table.tasks if t.kind in (TaskKind.ROUTER, TaskKind.LATENT_DOWN) and t.slot == X_PARTS - 1]
+    assert last_parts and all(t.waits[-1].in_task and t.waits[-1].count == X_PARTS - 1 for t in last_parts)
+    sim = LaunchSim(table, ranks=tp, ctas=table.ctas, launches=3, seed=tokens).run()
+    assert sim.premature == []
+    assert all(len(f) == 3 for f in sim.finished_at)
 
 
 def test_the_simulation_detects_a_deadlocking_order():

@@ -216,6 +216,77 @@ def gemv_tile(
 
 
 @triton.jit
+def gemv_part(
+    x_ptr,  # [S, K] bf16, row stride stride_xs, unit column stride
+    stride_xs,
+    w_ptr,  # [N, K] bf16, row stride stride_wn, unit column stride
+    stride_wn,
+    row0,
+    part,  # which KC columns: part * KC ..
+    S: tl.constexpr,
+    N: tl.constexpr,
+    KC: tl.constexpr,  # K / parts
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # KC a multiple of BLOCK_K
+    UPCAST: tl.constexpr,
+):
+    """acc [SP, ROWS] fp32 = x[:, part*KC : (part+1)*KC] @ w[row0 : row0 + ROWS, the same columns].T:
+    one part of K of a split tile (tl.dot; planner.X_K_PARTS)."""
+    return gemv_tile(x_ptr + part * KC, stride_xs, w_ptr + part * KC, stride_wn, row0, S, N, KC, SP, ROWS, BLOCK_K,
+                     True, EVEN_K, UPCAST)
+
+
+@triton.jit
+def gemv_parts_tile(
+    x_ptr,  # [S, K] bf16, row stride stride_xs, unit column stride
+    stride_xs,
+    w_ptr,  # [N, K] bf16, row stride stride_wn, unit column stride
+    stride_wn,
+    row0,
+    S: tl.constexpr,
+    N: tl.constexpr,
+    KC: tl.constexpr,  # K / PARTS
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc [SP, ROWS] fp32: the PARTS gemv_parts added from zero in part order, in
+    one program: the sum the mono launch forms from its split tasks (sum_parts)."""
+    acc = tl.zeros([SP, ROWS], dtype=tl.float32)
+    for part in tl.static_range(PARTS):
+        acc += gemv_part(x_ptr, stride_xs, w_ptr, stride_wn, row0, part, S, N, KC, SP, ROWS, BLOCK_K, EVEN_K, UPCAST)
+    return acc
+
+
+@triton.jit
+def sum_parts(
+    parts_ptr,  # [PARTS - 1, S, N] fp32: the earlier parts' gemv_part tiles (store_rows)
+    last,  # [SP, ROWS] fp32: the last part's, in registers
+    row0,
+    S: tl.constexpr,
+    N: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    PARTS: tl.constexpr,
+):
+    """[SP, ROWS] fp32: zero + parts 0 .. PARTS - 2 + ``last``, in that order
+    (gemv_parts_tile's sum, so its bits); rows past N and tokens past S are 0."""
+    tok = tl.arange(0, SP)
+    rows = row0 + tl.arange(0, ROWS)
+    offsets = tok[:, None] * N + rows[None, :]
+    mask = (tok < S)[:, None] & (rows < N)[None, :]
+    acc = tl.zeros([SP, ROWS], dtype=tl.float32)
+    for part in tl.static_range(PARTS - 1):
+        acc += tl.load(parts_ptr + part * (S * N) + offsets, mask=mask, other=0.0)
+    return acc + last
+
+
+@triton.jit
 def store_rows(
     out_ptr,  # [S, N] (any dtype), row stride stride_os, unit column stride
     stride_os,

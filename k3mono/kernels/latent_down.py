@@ -7,7 +7,9 @@ Shapes: S tokens, H hidden, L latent, T ranks, L/T the rank's latent rows.
 A task owns ``geom.latent_down.rows`` latent rows of ``geom.x_group`` tokens (all
 S, or a group: kernels/gemv.py group_window). The slice is gathered by every
 rank, so ``latent_down_task`` returns the rounded register tile; its caller
-stores it into each destination's z columns.
+stores it into each destination's z columns. On the tl.dot path K may be cut
+into PARTS (planner.X_K_PARTS), as the router's (kernels/router.py): z is
+rounded once, after the parts' sum.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import triton.language as tl
 
 from . import common
 from .common import to_bf16
-from .gemv import check_rows_contiguous, even_k, gemv_tile, group_window, num_tasks, store_rows
+from .gemv import (check_rows_contiguous, even_k, gemv_part, gemv_parts_tile, gemv_tile, group_window, num_tasks,
+                   store_rows)
 
 
 @triton.jit
@@ -45,6 +48,28 @@ def latent_down_task(
 
 
 @triton.jit
+def latent_down_part_task(
+    task,
+    part,
+    x_ptr,  # [S, H] bf16
+    stride_xs,
+    w_ptr,  # [L/T, H] bf16
+    stride_wn,
+    S: tl.constexpr,
+    N: tl.constexpr,  # L/T
+    KC: tl.constexpr,  # H / parts
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[SP, ROWS] fp32, unrounded: part ``part`` of K of every token's z, columns task*ROWS .. (tl.dot)."""
+    return gemv_part(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, part, S, N, KC, SP, ROWS, BLOCK_K, EVEN_K,
+                     UPCAST)
+
+
+@triton.jit
 def _latent_down_kernel(
     x_ptr,  # [S, H] bf16
     stride_xs,
@@ -60,13 +85,18 @@ def _latent_down_kernel(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # of a part's K
     UPCAST: tl.constexpr,
+    PARTS: tl.constexpr,  # parts of K (tl.dot, all S tokens a program)
 ):
     task = tl.program_id(0)
     window, skip = group_window(tl.program_id(1) * G, S, G)
-    tile = latent_down_task(task, window, x_ptr, stride_xs, w_ptr, stride_wn, G, N, K, GP, ROWS, BLOCK_K, USE_DOT,
-                            EVEN_K, UPCAST)
+    if PARTS > 1:
+        tile = to_bf16(gemv_parts_tile(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, S, N, K // PARTS, GP, ROWS,
+                                       BLOCK_K, PARTS, EVEN_K, UPCAST))
+    else:
+        tile = latent_down_task(task, window, x_ptr, stride_xs, w_ptr, stride_wn, G, N, K, GP, ROWS, BLOCK_K, USE_DOT,
+                                EVEN_K, UPCAST)
     store_rows(z_ptr + window * stride_zs, stride_zs, tile, task * ROWS, skip, G, N, GP, ROWS)
 
 
@@ -84,5 +114,6 @@ def launch_latent_down(x, w, z_out, geom) -> None:
         x, x.stride(0), w, w.stride(0), z_out, z_out.stride(0),
         S=S, G=geom.x_group, N=N, K=K, GP=geom.x_group_pad, ROWS=tile.rows, BLOCK_K=tile.block_k,
         USE_DOT=geom.x_group_dot,
-        EVEN_K=even_k(K, tile.block_k), UPCAST=common.UPCAST_DOT, num_warps=tile.warps,
+        EVEN_K=even_k(K // geom.x_parts, tile.block_k), UPCAST=common.UPCAST_DOT, PARTS=geom.x_parts,
+        num_warps=tile.warps,
     )

@@ -19,8 +19,8 @@ Per task:
    the SM's copy engine to pull the task's weight rows into L2 (_prefetch_l2:
    cp.async.bulk.prefetch, one instruction a range, nothing held or waited
    for; ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the chosen experts' rows and
-   scales for EXPERT_GU / EXPERT_DOWN) while the awaited flag settles; the
-   stage function then reads them from L2. (PREFETCH_FINAL and PREFETCH_SHARED
+   scales for EXPERT_GU / EXPERT_DOWN, always with PREFETCH_GU / PREFETCH_DN)
+   while the awaited flag settles; the stage function then reads them from L2. (PREFETCH_FINAL and PREFETCH_SHARED
    tasks, options of the table, do only that, for FINAL's and SHARED_GU's rows.)
    OPROJ waits only where M1B runs first (then its w_o rows are asked for while
    the core settles; otherwise its weights stream at once); M1C has no wait; M1B
@@ -71,8 +71,8 @@ from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, 
 from .common import INTERPRET, as_f32, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
 from .final import final_sum
-from .gemv import gemv_tile, group_window, store_rows
-from .latent_down import latent_down_task
+from .gemv import gemv_tile, group_window, store_rows, sum_parts
+from .latent_down import latent_down_part_task, latent_down_task
 from .latent_norm import latent_part_task, latent_scale
 from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
@@ -80,7 +80,7 @@ from .mxfp4 import ACT_PRESCALE
 from .oproj import oproj_task
 from .reduce import final_reduce_chunk, reduce_prefix_chunk
 from .route import route_merge_task, route_part_task
-from .router import router_task
+from .router import router_part_task, router_task
 from .shared import shared_gate_up_task
 from .sync import poll_once, raise_counter, reached, wait_counter
 
@@ -270,7 +270,52 @@ def router_push_task(
                           in_nw_ptr, seam_scale(0, hsq_ptr, eps, H, SC), True)
     else:
         acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST)
+    _push_logits(acc, tile, window, skip, peer_table_ptr, slot, word, E, XG, E_R, XGP, R_ROWS, NP, SCOPE)
+
+
+@triton.jit
+def _push_logits(
+    acc,  # fp32 [XGP, R_ROWS]: a router tile's logits
+    tile,
+    window,  # its tokens' first x row, and the rows it skips (group_window)
+    skip,
+    peer_table_ptr,  # int64 [NP]
+    slot,  # fp32 logits [S, E], column E/T * rank
+    word,
+    E: tl.constexpr,
+    XG: tl.constexpr,
+    E_R: tl.constexpr,
+    XGP: tl.constexpr,
+    R_ROWS: tl.constexpr,
+    NP: tl.constexpr,
+    SCOPE: tl.constexpr,
+):
     _push_rows(peer_table_ptr, slot + window * E, E, acc, tile * R_ROWS, skip, XG, E_R, XGP, R_ROWS, NP, tl.float32)
+    _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
+
+
+@triton.jit
+def _push_z(
+    zt,  # bf16 [XGP, LD_ROWS]: a latent down tile's z
+    tile,
+    window,  # its tokens' first x row, and the rows it skips (group_window)
+    skip,
+    peer_table_ptr,  # int64 [NP]
+    slot,  # bf16 z [S, L], column L/T * rank
+    word,
+    L: tl.constexpr,
+    XG: tl.constexpr,
+    L_R: tl.constexpr,
+    XGP: tl.constexpr,
+    LD_ROWS: tl.constexpr,
+    PRESCALE: tl.constexpr,  # push z * 2^63 (exact), as the tensor-core expert tasks take it
+    NP: tl.constexpr,
+    SCOPE: tl.constexpr,
+):
+    if PRESCALE:
+        zt = to_bf16(as_f32(zt) * ACT_PRESCALE)
+    _push_rows(peer_table_ptr, slot + window * L, L, zt, tile * LD_ROWS, skip, XG, L_R, XGP, LD_ROWS, NP,
+               tl.bfloat16)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
 
@@ -300,11 +345,50 @@ def latent_down_push_task(
 ):
     window, skip = group_window(first, S, XG)
     zt = latent_down_task(tile, window, x_ptr, H, w_ld_ptr, H, XG, L_R, H, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST)
-    if PRESCALE:
-        zt = to_bf16(as_f32(zt) * ACT_PRESCALE)
-    _push_rows(peer_table_ptr, slot + window * L, L, zt, tile * LD_ROWS, skip, XG, L_R, XGP, LD_ROWS, NP,
-               tl.bfloat16)
-    _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
+    _push_z(zt, tile, window, skip, peer_table_ptr, slot, word, L, XG, L_R, XGP, LD_ROWS, PRESCALE, NP, SCOPE)
+
+
+@triton.jit
+def _split_tile_sum(
+    acc,  # fp32 [SP, ROWS]: this task's part of its tile (gemv_part)
+    part,
+    row0,  # the tile's first row
+    parts_ptr,  # fp32 [X_PARTS - 1, S, N]: the tile's earlier parts (scratch logits_parts / z_parts)
+    row_ptr,  # the task's table row
+    ok,
+    flags_ptr,  # int32: the rank's flag words
+    rword,  # the task's raise word
+    epoch,
+    early,  # the row's waits before its in-task ones
+    nwaits,
+    limit,
+    health_ptr,
+    rank,
+    layer,
+    ticket,
+    S: tl.constexpr,
+    N: tl.constexpr,
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    X_PARTS: tl.constexpr,
+    SCOPE: tl.constexpr,
+    SLEEP_NS: tl.constexpr,
+):
+    """A split ROUTER / LATENT_DOWN task (planner.X_K_PARTS): (acc, ok, last).
+    An earlier part stores its partial and raises the tile's parts flag (last
+    0); the last part polls that flag (its in-task wait) and returns the parts'
+    sum in part order (last 1 once the wait is met), the staged program's bits."""
+    last = part * 0
+    if part < X_PARTS - 1:
+        store_rows(parts_ptr + part * (S * N), N, acc, row0, 0, S, N, SP, ROWS)
+        raise_counter(flags_ptr + rword, SCOPE)
+    else:
+        ok = _poll_waits(early, nwaits, row_ptr, ok, flags_ptr, epoch, limit, health_ptr, rank, layer, ticket, SCOPE,
+                         SLEEP_NS)
+        if ok != 0:
+            acc = sum_parts(parts_ptr, acc, row0, S, N, SP, ROWS, X_PARTS)
+            last += 1
+    return acc, ok, last
 
 
 @triton.jit
@@ -591,6 +675,7 @@ def _mono_kernel(
     XGP: tl.constexpr,  # XG padded: their tiles' token extent
     XG_DOT: tl.constexpr,  # their arithmetic: tl.dot, else FMAs
     ROUTER_RMS: tl.constexpr,  # the router tasks form x from the seam's h (planner.StageGeometry.router_rms)
+    X_PARTS: tl.constexpr,  # parts of K a router / latent down tile (planner.StageGeometry.x_parts)
     UPCAST: tl.constexpr,
     O_ROWS: tl.constexpr,
     O_BK: tl.constexpr,
@@ -645,8 +730,12 @@ def _mono_kernel(
     SPART_F: tl.constexpr,
     SH_B: tl.constexpr,
     SHSQ_F: tl.constexpr,
+    LPARTS_F: tl.constexpr,  # logits_parts (X_PARTS > 1; else 0, never read)
+    ZPARTS_F: tl.constexpr,  # z_parts (X_PARTS > 1; else 0, never read)
     CTL_I: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
+    PREFETCH_GU: tl.constexpr,  # EXPERT_GU tasks prefetch their rows whatever PREFETCH (MonoOptions.prefetch_gate_up)
+    PREFETCH_DN: tl.constexpr,  # EXPERT_DOWN tasks likewise (MonoOptions.prefetch_down)
     SCOPE: tl.constexpr,
     M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
     M1B_SP: tl.constexpr,  # S padded for M1b's tl.dot (at least 16)
@@ -707,20 +796,25 @@ def _mono_kernel(
         ok = _poll_waits(0, naddr, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
 
         # (2) weights before waits
-        if PREFETCH > 0:
+        if (PREFETCH > 0) | PREFETCH_GU | PREFETCH_DN:
             blocked = (nwaits < 0).to(tl.int32)
             if PREFETCH == 2:
                 blocked = (nwaits > naddr).to(tl.int32)
-            else:
+            elif PREFETCH == 1:
                 for i in tl.static_range(MAX_WAITS):
                     if (i >= naddr) & (i < nwaits):
                         blocked = blocked | _would_block(i, row, flags, epoch, SCOPE)
+            # MonoOptions.prefetch_gate_up / prefetch_down: the expert tasks' rows always
+            if PREFETCH_GU:
+                blocked = blocked | (kind == K_EXPERT_GU).to(tl.int32)
+            if PREFETCH_DN:
+                blocked = blocked | (kind == K_EXPERT_DOWN).to(tl.int32)
             if (blocked != 0) & (ok != 0):
                 if kind == K_OPROJ:
                     _prefetch_rows(w_o_ptr, start, stop, H, C_R)
-                elif kind == K_ROUTER:
+                elif (kind == K_ROUTER) & (slot <= 0):  # a split tile's rows whole, by its first part
                     _prefetch_rows(w_gate_ptr, start, stop, E_R, H)
-                elif kind == K_LATENT_DOWN:
+                elif (kind == K_LATENT_DOWN) & (slot <= 0):
                     _prefetch_rows(w_ld_ptr, start, stop, L_R, H)
                 elif kind == K_SHARED_GU:
                     _prefetch_rows(w_sg_ptr, start, stop, SI_R, H)
@@ -782,13 +876,34 @@ def _mono_kernel(
                 seam_norm_task(token, tile, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, x_ptr, H, H, SC)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTER:
-                router_push_task(tile, token, x_ptr, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, w_gate_ptr,
-                                 peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E, E_R, SC, XG, XGP,
-                                 R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, ROUTER_RMS, NP, SCOPE)
+                if X_PARTS > 1:
+                    # slot = the part of K (planner._x_gemv_parts); all S tokens (tl.dot)
+                    acc = router_part_task(tile, slot, x_ptr, H, w_gate_ptr, H, S, E_R, H // X_PARTS, SP, R_ROWS,
+                                           R_BK, R_EVEN, UPCAST)
+                    acc, ok, last = _split_tile_sum(acc, slot, tile * R_ROWS, sc_f32 + LPARTS_F, row, ok, flags,
+                                                    rword, epoch, early, nwaits, spin_limit, health_ptr, rank, layer,
+                                                    ticket, S, E_R, SP, R_ROWS, X_PARTS, SCOPE, SLEEP_NS)
+                    if last != 0:
+                        _push_logits(acc, tile, 0, 0, peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, E, S,
+                                     E_R, SP, R_ROWS, NP, SCOPE)
+                else:
+                    router_push_task(tile, token, x_ptr, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, w_gate_ptr,
+                                     peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E, E_R, SC, XG,
+                                     XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, ROUTER_RMS, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
-                latent_down_push_task(tile, token, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R,
-                                      FLAG_I + rword, S, H, L, L_R, XG, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST,
-                                      EXPERT_MMA, NP, SCOPE)
+                if X_PARTS > 1:
+                    acc = latent_down_part_task(tile, slot, x_ptr, H, w_ld_ptr, H, S, L_R, H // X_PARTS, SP, LD_ROWS,
+                                                LD_BK, LD_EVEN, UPCAST)
+                    acc, ok, last = _split_tile_sum(acc, slot, tile * LD_ROWS, sc_f32 + ZPARTS_F, row, ok, flags,
+                                                    rword, epoch, early, nwaits, spin_limit, health_ptr, rank, layer,
+                                                    ticket, S, L_R, SP, LD_ROWS, X_PARTS, SCOPE, SLEEP_NS)
+                    if last != 0:
+                        _push_z(to_bf16(acc), tile, 0, 0, peer_table_ptr, pb + Z_B + rank * L_R, FLAG_I + rword, L,
+                                S, L_R, SP, LD_ROWS, EXPERT_MMA, NP, SCOPE)
+                else:
+                    latent_down_push_task(tile, token, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R,
+                                          FLAG_I + rword, S, H, L, L_R, XG, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN,
+                                          UPCAST, EXPERT_MMA, NP, SCOPE)
             elif kind == K_SHARED_GU:
                 shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)

@@ -9,7 +9,10 @@ or a group: kernels/gemv.py group_window). The slice is gathered by every rank,
 so ``router_task`` returns the register tile; its caller stores it into each
 destination's logits columns. The mono launch's single-token tasks may read the
 seam's h instead and form x = rms(h, post_attention_layernorm) as their rows
-stream (X_RMS; planner.ROUTER_RMS_MAX_TOKENS): the same x.
+stream (X_RMS; planner.ROUTER_RMS_MAX_TOKENS): the same x. On the tl.dot path
+K may be cut into PARTS (planner.X_K_PARTS): the mono launch's tasks then take
+a part each (``router_part_task``) and the tile's last sums them; a staged
+program sums the same parts in the same order (gemv_parts_tile).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .gemv import check_rows_contiguous, even_k, gemv_tile, group_window, num_tasks, store_rows
+from .gemv import (check_rows_contiguous, even_k, gemv_part, gemv_parts_tile, gemv_tile, group_window, num_tasks,
+                   store_rows)
 
 
 @triton.jit
@@ -48,6 +52,28 @@ def router_task(
 
 
 @triton.jit
+def router_part_task(
+    task,
+    part,
+    x_ptr,  # [S, H] bf16
+    stride_xs,
+    w_ptr,  # [E/T, H] bf16
+    stride_wn,
+    S: tl.constexpr,
+    N: tl.constexpr,  # E/T
+    KC: tl.constexpr,  # H / parts
+    SP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[SP, ROWS] fp32: part ``part`` of K of every token's logits for experts task*ROWS .. (tl.dot)."""
+    return gemv_part(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, part, S, N, KC, SP, ROWS, BLOCK_K, EVEN_K,
+                     UPCAST)
+
+
+@triton.jit
 def _router_kernel(
     x_ptr,  # [S, H] bf16
     stride_xs,
@@ -63,13 +89,18 @@ def _router_kernel(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # of a part's K
     UPCAST: tl.constexpr,
+    PARTS: tl.constexpr,  # parts of K (tl.dot, all S tokens a program)
 ):
     task = tl.program_id(0)
     window, skip = group_window(tl.program_id(1) * G, S, G)
-    tile = router_task(task, window, x_ptr, stride_xs, w_ptr, stride_wn, G, N, K, GP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                       UPCAST)
+    if PARTS > 1:
+        tile = gemv_parts_tile(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, S, N, K // PARTS, GP, ROWS, BLOCK_K,
+                               PARTS, EVEN_K, UPCAST)
+    else:
+        tile = router_task(task, window, x_ptr, stride_xs, w_ptr, stride_wn, G, N, K, GP, ROWS, BLOCK_K, USE_DOT,
+                           EVEN_K, UPCAST)
     store_rows(out_ptr + window * stride_os, stride_os, tile, task * ROWS, skip, G, N, GP, ROWS)
 
 
@@ -87,5 +118,6 @@ def launch_router(x, router_r, logits_out, geom) -> None:
         x, x.stride(0), router_r, router_r.stride(0), logits_out, logits_out.stride(0),
         S=S, G=geom.x_group, N=N, K=K, GP=geom.x_group_pad, ROWS=tile.rows, BLOCK_K=tile.block_k,
         USE_DOT=geom.x_group_dot,
-        EVEN_K=even_k(K, tile.block_k), UPCAST=common.UPCAST_DOT, num_warps=tile.warps,
+        EVEN_K=even_k(K // geom.x_parts, tile.block_k), UPCAST=common.UPCAST_DOT, PARTS=geom.x_parts,
+        num_warps=tile.warps,
     )
