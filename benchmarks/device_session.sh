@@ -37,7 +37,7 @@
 # norm_scale: the latent norm's scale in FINAL checked, timed against the tree in $K3MONO_BASE, traced; router_rms:
 # the S = 1 router forming x from h, the same; x_parts: the router and latent down by parts of K timed, traced, checked;
 # x_parts_default: with parts the default, the route early and 2 parts timed, the traces, the check;
-# expert_prefetch: the expert tasks' rows asked for at once, timed, the S = 8 trace;
+# expert_prefetch: the expert tasks' rows asked for at once, timed, the S = 8 trace; down_step: 16 KB down steps timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -265,6 +265,11 @@ for s in $STEPS; do
         step prefetch_gate_up_ab 130 python3 benchmarks/defaults_ab.py --field prefetch_gate_up --values 0 1 \
             --tokens 1 8
         step prefetch_down_trace 60 python3 benchmarks/mono_trace.py --tokens 8 --set prefetch_down=1 --out "$RESULTS" ;;
+    down_step)  # expert down steps of 16 KB (TileChoice.down_step_kb) at the default rows (16 at S = 1, else 32),
+        # then 64 rows against 32 at 16 KB, timed against the defaults
+        step down_step_ab 200 python3 benchmarks/defaults_ab.py --field down_step_kb --values 8 16 --tokens 1 8 16
+        step down_rows_ab 130 python3 benchmarks/defaults_ab.py --field down_rows --values 32 64 --tokens 8 16 \
+            --also down_step_kb=16 ;;
     final_split)  # FINAL's shared down-projection before its own wait for the latent (MonoOptions.final_split),
         # and the shared weights into L2 while the chain settles (prefetch_shared): timed against the defaults at
         # S = 1 (shared tasks late, the default, and early), 8 and 16

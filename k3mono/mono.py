@@ -232,16 +232,36 @@ and again 69.2, 69.4 / 68.3, 68.5; router rows 2 / 1 at 4 latent rows 68.8, 69.1
 (planner.LATENT_ROWS); at S = 2 and 4 one router row was slower there."""
 
 
+WIDE_DOWN_MIN_TOKENS = 8
+WIDE_DOWN_ROWS = 64
+WIDE_DOWN_STEP_KB = 16
+"""From S = WIDE_DOWN_MIN_TOKENS on, the mono launch's expert down tasks take
+WIDE_DOWN_ROWS rows and WIDE_DOWN_STEP_KB a step (TileChoice.down_rows,
+down_step_kb; planner.DOWN_STEP_KB says why): twice the bytes in flight a
+step, the extra weight registers paid by the rows, not by more activations.
+Offline sm_90a builds (benchmarks/resource_check.py, TP8 loopback): S = 8 255
+registers, 40 B of stack (16 before), no step loop spills; S = 16 168 and 312 B
+(264), none either; 32 rows at 16 KB spilled in S = 16's step loops. Measured
+on one H100 (benchmarks/defaults_ab.py, one rank of TP8, docs/PERF.md), us:
+rows / KB 32 / 8 against 32 / 16: S = 1 (16 rows) 70.5, 70.7 / 70.5, 70.5, S = 8
+205.3, 205.6 / 194.4, 193.6, S = 16 321.7, 322.5 / 324.2, 325.4; then 32 / 16
+against 64 / 16: S = 8 194.3, 193.5 / 191.2, 191.6, S = 16 325.1, 324.8 / 310.8,
+311.3."""
+
+
 def default_tiles(tokens: int, **given) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows,
     SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step and SINGLE_TOKEN_ROUTER_ROWS /
-    SINGLE_TOKEN_LATENT_ROWS router / latent rows; any field in ``given``
-    overrides its default. The tensor-core experts read mma order, so asking for
-    them drops the default f16 sums (the other order) unless expert_f16 is given too."""
+    SINGLE_TOKEN_LATENT_ROWS router / latent rows, from S = WIDE_DOWN_MIN_TOKENS
+    the wide down tasks; any field in ``given`` overrides its default. The
+    tensor-core experts read mma order, so asking for them drops the default
+    f16 sums (the other order) unless expert_f16 is given too."""
     tiles = DEFAULT_TILES
     if tokens == 1:
         tiles = dataclasses.replace(tiles, down_rows=SINGLE_TOKEN_DOWN_ROWS, shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB,
                                     router_rows=SINGLE_TOKEN_ROUTER_ROWS, latent_rows=SINGLE_TOKEN_LATENT_ROWS)
+    if tokens >= WIDE_DOWN_MIN_TOKENS:
+        tiles = dataclasses.replace(tiles, down_rows=WIDE_DOWN_ROWS, down_step_kb=WIDE_DOWN_STEP_KB)
     if given.get("expert_mma"):
         given = {"expert_f16": False, **given}
     return dataclasses.replace(tiles, **given)

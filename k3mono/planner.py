@@ -199,7 +199,7 @@ rows at least) likewise from 16. Measured (docs/PERF.md): the mono launch takes
 ticket to pay, keeps 8."""
 
 EXPERT_ROWS = 32
-EXPERT_ROWS_CHOICES = (8, 16, 32)
+EXPERT_ROWS_CHOICES = (8, 16, 32, 64)
 """Output rows of an MXFP4 expert task, gate/up and down each their own
 (TileChoice.gate_up_rows, down_rows). At 32, S = 1 at TP8 has 192 gate/up tasks
 (16 experts x 12 tiles of I/T = 384) and 112 down tasks (L = 3584 / 32) for the
@@ -217,9 +217,21 @@ keeps one group column over several rows and reuses its activations for each
 (kernels/experts.py); down's input row is the K chosen experts' groups."""
 
 
-def expert_step_groups(rows: int) -> int:
-    """Groups of a row an expert step of ``rows`` rows loads (the same bytes as EXPERT_ROWS')."""
-    return EXPERT_STEP_GROUPS * EXPERT_ROWS // rows
+def expert_step_groups(rows: int, widen: int = 1) -> int:
+    """Groups of a row an expert step of ``rows`` rows loads (the same bytes as
+    EXPERT_ROWS', times ``widen``)."""
+    return widen * EXPERT_STEP_GROUPS * EXPERT_ROWS // rows
+
+
+DOWN_STEP_KB = 8
+DOWN_STEP_KB_CHOICES = (8, 16)
+"""KB of MXFP4 weight an expert down step loads (TileChoice.down_step_kb; 8 is
+EXPERT_STEP_GROUPS at EXPERT_ROWS rows). A gate/up step loads two matrices of
+8 KB, a down step one: in the mono launch, 2 or 3 CTAs a SM, the down tasks
+keep half the bytes in flight of the gate/up tasks (the S = 8 trace at
+cb26ab8, an H100: gate/up near the copy bandwidth, the down tasks 13.6 us for
+98 KB, the phase 66 us against the staged stage's 40 at 10 CTAs a SM). 16 KB
+doubles a down step's weight registers (and, at the same rows, its activations')."""
 
 
 EXPERT_LOOKAHEAD = False
@@ -316,12 +328,13 @@ head's splits, so fewer rows make more, shorter tasks that repeat the combine.""
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, ROUTER_ROWS, LATENT_ROWS, SHARED_ROWS,
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS, LATENT_ROWS, SHARED_ROWS,
     EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS and X_K_PARTS)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
     down_rows: int = EXPERT_ROWS
+    down_step_kb: int = DOWN_STEP_KB
     router_rows: int = ROUTER_ROWS
     latent_rows: int = LATENT_ROWS
     shared_rows: int = SHARED_ROWS
@@ -347,6 +360,8 @@ class TileChoice:
         for name in ("gate_up_rows", "down_rows"):
             if getattr(self, name) not in EXPERT_ROWS_CHOICES:
                 raise K3InputError(f"tiles.{name}: expected one of {EXPERT_ROWS_CHOICES}, got {getattr(self, name)!r}")
+        if self.down_step_kb not in DOWN_STEP_KB_CHOICES:
+            raise K3InputError(f"tiles.down_step_kb: expected one of {DOWN_STEP_KB_CHOICES}, got {self.down_step_kb!r}")
         if self.router_rows not in ROUTER_ROWS_CHOICES:
             raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
         if self.latent_rows not in LATENT_ROWS_CHOICES:
@@ -585,10 +600,10 @@ def _dense(out_dim: int, in_dim: int, use_dot: bool, step_kb: int, rows: int = F
     return GemvTile(rows=max(tile.rows, DOT_MIN_TOKENS), block_k=max(tile.block_k, DOT_MIN_TOKENS), warps=tile.warps)
 
 
-def _expert(rows: int, out_dim: int, in_dim: int, lookahead: bool) -> GemvTile:
+def _expert(rows: int, out_dim: int, in_dim: int, lookahead: bool, widen: int = 1) -> GemvTile:
     """An MXFP4 expert tile [groups, rows] (kernels/experts.py): ``rows`` rows a
-    task, expert_step_groups(rows) groups a step."""
-    return _gemv(rows, out_dim, in_dim, expert_step_groups(rows) * MXFP4_GROUP, lookahead=lookahead)
+    task, expert_step_groups(rows, widen) groups a step."""
+    return _gemv(rows, out_dim, in_dim, expert_step_groups(rows, widen) * MXFP4_GROUP, lookahead=lookahead)
 
 
 def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = None,
@@ -616,7 +631,8 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         expert_gate_up=(expert_mma_tile(I // tp) if tiles.expert_mma
                         else _expert(tiles.gate_up_rows, I // tp, L, tiles.expert_lookahead)),
         expert_down=(expert_mma_tile(L) if tiles.expert_mma
-                     else _expert(tiles.down_rows, L, cfg.num_experts_per_token * I // tp, tiles.expert_lookahead)),
+                     else _expert(tiles.down_rows, L, cfg.num_experts_per_token * I // tp, tiles.expert_lookahead,
+                                  tiles.down_step_kb // DOWN_STEP_KB)),
         vector_block=min(1024, next_pow2(H)),
         vector_warps=4,
         seam_cols=seam_cols(H),

@@ -63,7 +63,7 @@ from k3mono.kernels.experts import (
 from k3mono.kernels import experts as experts_mod
 from k3mono.kernels.mxfp4 import DEQUANT_F16, DEQUANT_IMAD, DEQUANT_SHIFT, launch_dequant
 from k3mono.kernels.route import launch_route
-from k3mono.planner import TileChoice, stage_geometry
+from k3mono.planner import TileChoice, expert_step_groups, next_pow2, stage_geometry
 from k3mono.reference import BF16, ORACLE
 from k3mono.reference import stages as st
 from k3mono.runner import rel_err
@@ -358,8 +358,25 @@ def test_experts_other_placement(name, tp, tokens, coarse, monkeypatch):
 
 @pytest.mark.parametrize("name,tp,tokens,coarse", EXPERT_CASES)
 def test_experts(name, tp, tokens, coarse):
+    cfg, _ = rank_weights(name, tp)
+    check_experts(name, tp, tokens, experts_geometry(cfg, tp, tokens, coarse))
+
+
+@pytest.mark.parametrize("name,tp,tokens", [("tiny", 2, 3), ("small", 1, 16), ("kimi-k3", 8, 2)])
+def test_experts_with_wide_down_steps(name, tp, tokens):
+    """TileChoice.down_rows 64 and down_step_kb 16: twice the rows and twice the
+    bytes a down step (kimi-k3 at TP8: 16 of the K * I/T / 32 = 192 group columns)."""
+    cfg, _ = rank_weights(name, tp)
+    geom = stage_geometry(cfg, tp, tokens, tiles=TileChoice(down_rows=64, down_step_kb=16))
+    L, columns = cfg.routed_expert_hidden_size, cfg.num_experts_per_token * cfg.moe_intermediate_size // tp
+    assert geom.expert_down.rows == min(64, next_pow2(L))
+    assert geom.expert_down.block_k == min(expert_step_groups(64, 2) * 32, next_pow2(columns))
+    check_experts(name, tp, tokens, geom)
+
+
+def check_experts(name, tp, tokens, geom):
+    """Both expert stages at ``geom`` against the reference's act and the float64 down sum."""
     cfg, w = rank_weights(name, tp)
-    geom = experts_geometry(cfg, tp, tokens, coarse)
     seed = seed_of("experts", name, tp, tokens)
     ids, route_w = random_routes(cfg, tokens, seed)
     g = torch.Generator().manual_seed(seed + 1)
