@@ -38,6 +38,7 @@
 # the S = 1 router forming x from h, the same; x_parts: the router and latent down by parts of K timed, traced, checked;
 # x_parts_default: with parts the default, the route early and 2 parts timed, the traces, the check;
 # expert_prefetch: the expert tasks' rows asked for at once, timed, the S = 8 trace; down_step: 16 KB down steps timed;
+# wide_check: the wide down tasks checked and traced at their defaults;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -270,6 +271,13 @@ for s in $STEPS; do
         step down_step_ab 200 python3 benchmarks/defaults_ab.py --field down_step_kb --values 8 16 --tokens 1 8 16
         step down_rows_ab 130 python3 benchmarks/defaults_ab.py --field down_rows --values 32 64 --tokens 8 16 \
             --also down_step_kb=16 ;;
+    wide_check)  # the wide down tasks at their defaults (S = 8 and 16): checked (mono, loopback T = 8, and T = 1
+        # at S = 16), then the S = 8 and 16 traces
+        step wide_check_t8 100 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 8 16 --grids 132 \
+            --occupy-sms 0 --layers-tokens
+        step wide_check_t1 80 python3 benchmarks/gpu_check.py --skip-staged --tp 1 --tokens 16 --grids \
+            --occupy-sms 0 --layers-tokens
+        step wide_traces 80 python3 benchmarks/mono_trace.py --tokens 8 16 --out "$RESULTS" ;;
     final_split)  # FINAL's shared down-projection before its own wait for the latent (MonoOptions.final_split),
         # and the shared weights into L2 while the chain settles (prefetch_shared): timed against the defaults at
         # S = 1 (shared tasks late, the default, and early), 8 and 16
