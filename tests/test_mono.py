@@ -69,6 +69,18 @@ def check_against_reference(cfg, shards, inputs, layer, got):
         assert err <= budget, f"{name}: error {err:.3g} against the oracle, budget {budget:.3g}"
 
 
+def assert_staged_bits(runner, cfg, shards, tokens, layer, inputs, tp):
+    """The staged path at the runner's tiles (in loopback, the one that wrote the
+    other ranks' pushes) has the runner's geometry and gives its bits on every rank: that layer."""
+    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
+    if tp == 1:
+        staged(**inputs)
+    assert staged.geom == runner.compiled.table.geometry
+    for rank in range(tp):
+        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+    return staged
+
+
 CASES = [(1, 1, 1), (1, 3, 13), (1, 16, 92), (4, 3, 13)]
 
 
@@ -86,11 +98,7 @@ def test_mono_matches_the_reference_and_staged(tp, tokens, layer):
     check_against_reference(cfg, shards, inputs, layer, got)
     for rank, other in enumerate(runner.rank_results()):
         assert same_bits(got, other), f"rank {rank} differs from rank 0"
-    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
-    if tp == 1:
-        staged(**inputs)
-    for rank in range(tp):
-        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+    assert_staged_bits(runner, cfg, shards, tokens, layer, inputs, tp)
     assert runner.epoch() == 2 and runner.ctl(0).tolist() == [0, 0]
 
 
@@ -610,12 +618,7 @@ def test_router_and_latent_down_by_token_groups_stay_within_budget_and_match_sta
     assert geometry.x_groups == -(-tokens // group) and not geometry.x_group_dot and geometry.use_dot
     got = runner(**inputs)
     check_against_reference(cfg, shards, inputs, layer, got)
-    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
-    if tp == 1:
-        staged(**inputs)
-    assert staged.geom == geometry
-    for rank in range(tp):
-        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+    assert_staged_bits(runner, cfg, shards, tokens, layer, inputs, tp)
 
 
 X_PARTS_CASES = [(2, 8, 7, False), (1, 16, 4, True), (4, 5, 2, False)]
@@ -641,12 +644,7 @@ def test_router_and_latent_down_by_parts_of_k_stay_within_budget_and_match_stage
     assert geometry.router.block_k <= next_pow2(cfg.hidden_size // parts)
     got = runner(**inputs)
     check_against_reference(cfg, shards, inputs, layer, got)
-    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
-    if tp == 1:
-        staged(**inputs)
-    assert staged.geom == geometry
-    for rank in range(tp):
-        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+    assert_staged_bits(runner, cfg, shards, tokens, layer, inputs, tp)
 
 
 EXPERT_ORDER_CASES = [("mma", 2, 3), ("mma", 1, 16), ("f16", 2, 3), ("f16", 1, 16)]
@@ -670,11 +668,7 @@ def test_experts_in_other_orders_stay_within_budget_and_match_staged(order, tp, 
     L, I_r = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
     if order == "mma":
         assert (geometry.expert_gate_up, geometry.expert_down) == (expert_mma_tile(I_r), expert_mma_tile(L))
-    staged = runner._staged if tp > 1 else StagedLayer(cfg, shards, tokens, layer, tiles=runner.key.tiles)
-    if tp == 1:
-        staged(**inputs)
-    for rank in range(tp):
-        assert same_bits(runner.result(rank), staged.result(rank)), f"rank {rank}: mono and staged differ"
+    staged = assert_staged_bits(runner, cfg, shards, tokens, layer, inputs, tp)
     if tp > 1:  # the prewrite's staged layer reads the ranks' own tensors: each expert tensor converted once
         assert runner.expert_words.conversions == 3 * tp
         for rank in range(tp):

@@ -19,8 +19,7 @@ import triton.language as tl
 
 from . import common
 from .common import to_bf16
-from .gemv import (check_rows_contiguous, even_k, gemv_part, gemv_parts_tile, gemv_tile, group_window, num_tasks,
-                   store_rows)
+from .gemv import check_rows_contiguous, even_k, gemv_parts_tile, gemv_tile, group_window, num_tasks, store_rows
 
 
 @triton.jit
@@ -45,28 +44,6 @@ def latent_down_task(
     acc = gemv_tile(x_ptr + window * stride_xs, stride_xs, w_ptr, stride_wn, task * ROWS, G, N, K, GP, ROWS, BLOCK_K,
                     USE_DOT, EVEN_K, UPCAST)
     return to_bf16(acc)
-
-
-@triton.jit
-def latent_down_part_task(
-    task,
-    part,
-    x_ptr,  # [S, H] bf16
-    stride_xs,
-    w_ptr,  # [L/T, H] bf16
-    stride_wn,
-    S: tl.constexpr,
-    N: tl.constexpr,  # L/T
-    KC: tl.constexpr,  # H / parts
-    SP: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """[SP, ROWS] fp32, unrounded: part ``part`` of K of every token's z, columns task*ROWS .. (tl.dot)."""
-    return gemv_part(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, part, S, N, KC, SP, ROWS, BLOCK_K, EVEN_K,
-                     UPCAST)
 
 
 @triton.jit

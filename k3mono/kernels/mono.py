@@ -71,8 +71,8 @@ from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, 
 from .common import INTERPRET, as_f32, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
 from .final import final_sum
-from .gemv import gemv_tile, group_window, store_rows, sum_parts
-from .latent_down import latent_down_part_task, latent_down_task
+from .gemv import gemv_part, gemv_tile, group_window, store_rows, sum_parts
+from .latent_down import latent_down_task
 from .latent_norm import latent_part_task, latent_scale
 from .mla_attn import mla_attn_task
 from .mla_back import mla_back_task
@@ -80,7 +80,7 @@ from .mxfp4 import ACT_PRESCALE
 from .oproj import oproj_task
 from .reduce import final_reduce_chunk, reduce_prefix_chunk
 from .route import route_merge_task, route_part_task
-from .router import router_part_task, router_task
+from .router import router_task
 from .shared import shared_gate_up_task
 from .sync import poll_once, raise_counter, reached, wait_counter
 
@@ -878,8 +878,8 @@ def _mono_kernel(
             elif kind == K_ROUTER:
                 if X_PARTS > 1:
                     # slot = the part of K (planner._x_gemv_parts); all S tokens (tl.dot)
-                    acc = router_part_task(tile, slot, x_ptr, H, w_gate_ptr, H, S, E_R, H // X_PARTS, SP, R_ROWS,
-                                           R_BK, R_EVEN, UPCAST)
+                    acc = gemv_part(x_ptr, H, w_gate_ptr, H, tile * R_ROWS, slot, S, E_R, H // X_PARTS, SP, R_ROWS,
+                                    R_BK, R_EVEN, UPCAST)
                     acc, ok, last = _split_tile_sum(acc, slot, tile * R_ROWS, sc_f32 + LPARTS_F, row, ok, flags,
                                                     rword, epoch, early, nwaits, spin_limit, health_ptr, rank, layer,
                                                     ticket, S, E_R, SP, R_ROWS, X_PARTS, SCOPE, SLEEP_NS)
@@ -892,8 +892,8 @@ def _mono_kernel(
                                      XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, ROUTER_RMS, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
                 if X_PARTS > 1:
-                    acc = latent_down_part_task(tile, slot, x_ptr, H, w_ld_ptr, H, S, L_R, H // X_PARTS, SP, LD_ROWS,
-                                                LD_BK, LD_EVEN, UPCAST)
+                    acc = gemv_part(x_ptr, H, w_ld_ptr, H, tile * LD_ROWS, slot, S, L_R, H // X_PARTS, SP, LD_ROWS,
+                                    LD_BK, LD_EVEN, UPCAST)
                     acc, ok, last = _split_tile_sum(acc, slot, tile * LD_ROWS, sc_f32 + ZPARTS_F, row, ok, flags,
                                                     rword, epoch, early, nwaits, spin_limit, health_ptr, rank, layer,
                                                     ticket, S, L_R, SP, LD_ROWS, X_PARTS, SCOPE, SLEEP_NS)

@@ -11,7 +11,7 @@ destination's logits columns. The mono launch's single-token tasks may read the
 seam's h instead and form x = rms(h, post_attention_layernorm) as their rows
 stream (X_RMS; planner.ROUTER_RMS_MAX_TOKENS): the same x. On the tl.dot path
 K may be cut into PARTS (planner.X_K_PARTS): the mono launch's tasks then take
-a part each (``router_part_task``) and the tile's last sums them; a staged
+a part each (kernels/gemv.py gemv_part) and the tile's last sums them; a staged
 program sums the same parts in the same order (gemv_parts_tile).
 """
 
@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .gemv import (check_rows_contiguous, even_k, gemv_part, gemv_parts_tile, gemv_tile, group_window, num_tasks,
-                   store_rows)
+from .gemv import check_rows_contiguous, even_k, gemv_parts_tile, gemv_tile, group_window, num_tasks, store_rows
 
 
 @triton.jit
@@ -49,28 +48,6 @@ def router_task(
     """[GP, ROWS] fp32: logits of tokens window .. window + G - 1 for experts task*ROWS .. of this rank's slice."""
     return gemv_tile(x_ptr + window * stride_xs, stride_xs, w_ptr, stride_wn, task * ROWS, G, N, K, GP, ROWS, BLOCK_K,
                      USE_DOT, EVEN_K, UPCAST, norm_ptr, x_scale, X_RMS)
-
-
-@triton.jit
-def router_part_task(
-    task,
-    part,
-    x_ptr,  # [S, H] bf16
-    stride_xs,
-    w_ptr,  # [E/T, H] bf16
-    stride_wn,
-    S: tl.constexpr,
-    N: tl.constexpr,  # E/T
-    KC: tl.constexpr,  # H / parts
-    SP: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """[SP, ROWS] fp32: part ``part`` of K of every token's logits for experts task*ROWS .. (tl.dot)."""
-    return gemv_part(x_ptr, stride_xs, w_ptr, stride_wn, task * ROWS, part, S, N, KC, SP, ROWS, BLOCK_K, EVEN_K,
-                     UPCAST)
 
 
 @triton.jit
