@@ -265,7 +265,8 @@ for s in $STEPS; do
         step prefetch_down_ab 220 python3 benchmarks/defaults_ab.py --field prefetch_down --values 0 1 --tokens 1 8 16
         step prefetch_gate_up_ab 130 python3 benchmarks/defaults_ab.py --field prefetch_gate_up --values 0 1 \
             --tokens 1 8
-        step prefetch_down_trace 60 python3 benchmarks/mono_trace.py --tokens 8 --set prefetch_down=1 --out "$RESULTS" ;;
+        step prefetch_down_trace 60 python3 benchmarks/mono_trace.py --tokens 8 --set prefetch_down=1 \
+            --out "$RESULTS" ;;
     down_step)  # expert down steps of 16 KB (TileChoice.down_step_kb) at the default rows (16 at S = 1, else 32),
         # then 64 rows against 32 at 16 KB, timed against the defaults
         step down_step_ab 200 python3 benchmarks/defaults_ab.py --field down_step_kb --values 8 16 --tokens 1 8 16

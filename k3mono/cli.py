@@ -272,7 +272,8 @@ def cmd_plan(args) -> int:
     )
     print(f"{'tickets':<13} {'kind':<14} {'tasks':>6}  {'indices':<36} {'MB':>8}  {'waits a task':<44} raises")
     for group in table.groups():
-        print(_plan_group_line(group))
+        for part in _by_signature(group):
+            print(_plan_group_line(part))
     summary = table.summary()
     print(
         f"summary: {summary.tasks} tasks, {summary.ctas} CTAs, {summary.weight_bytes / MB:.3f} MB weights streamed, "
@@ -288,6 +289,19 @@ def cmd_plan(args) -> int:
 def _span_text(values, name: str) -> str:
     lo, hi = min(values), max(values)
     return f"{name} {lo}" if lo == hi else f"{name} {lo}..{hi}"
+
+
+def _by_signature(group) -> list:
+    """The group's tasks split by which flags they wait for and raise (a split
+    router tile's last part waits and raises other flags than its earlier
+    parts), each kept in ticket order: a line each."""
+    from .planner import TaskGroup
+
+    runs: dict = {}
+    for task in group.tasks:
+        signature = (tuple((w.flag, w.before_loads, w.in_task) for w in task.waits), tuple(r.flag for r in task.raises))
+        runs.setdefault(signature, []).append(task)
+    return [TaskGroup(group.kind, tuple(tasks)) for tasks in runs.values()]
 
 
 def _plan_group_line(group) -> str:

@@ -312,7 +312,9 @@ their fp32 partials in scratch and raise a local flag; the last part (last in
 table order) computes its own, polls that flag in the task, sums the parts in
 part order from zero and pushes the tile (the logits; z rounded to bf16 after
 the sum). The staged path sums the same parts in the same order in one program
-(kernels/gemv.py gemv_parts_tile), so both give the same bits."""
+(kernels/gemv.py gemv_parts_tile), so both give the same bits. 1 here and in the
+staged path (a program a tile, nothing to wait for); the mono launch takes
+mono.MONO_X_K_PARTS, measured there."""
 
 
 BACK_BLOCK_DV = 32
@@ -328,8 +330,9 @@ head's splits, so fewer rows make more, shorter tasks that repeat the combine.""
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS, LATENT_ROWS, SHARED_ROWS,
-    EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS and X_K_PARTS)."""
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS, LATENT_ROWS,
+    SHARED_ROWS, EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS and
+    X_K_PARTS)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
@@ -771,7 +774,8 @@ OPT_PREFETCH_FINAL_EARLY = 1 << 8
 OPT_PREFETCH_GATE_UP = 1 << 9
 OPT_PREFETCH_DOWN = 1 << 10
 OPT_ALL = (OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE | OPT_EXPERT_EVICT_FIRST
-           | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED | OPT_PREFETCH_FINAL_EARLY | OPT_PREFETCH_GATE_UP | OPT_PREFETCH_DOWN)
+           | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED | OPT_PREFETCH_FINAL_EARLY | OPT_PREFETCH_GATE_UP
+           | OPT_PREFETCH_DOWN)
 
 
 class TaskKind(enum.IntEnum):
@@ -925,7 +929,8 @@ class MonoOptions:
                 | (OPT_EXPERT_EVICT_FIRST if self.expert_evict_first else 0)
                 | (OPT_FINAL_SPLIT if self.final_split else 0) | (OPT_PREFETCH_SHARED if self.prefetch_shared else 0)
                 | (OPT_PREFETCH_FINAL_EARLY if self.prefetch_final_early else 0)
-                | (OPT_PREFETCH_GATE_UP if self.prefetch_gate_up else 0) | (OPT_PREFETCH_DOWN if self.prefetch_down else 0))
+                | (OPT_PREFETCH_GATE_UP if self.prefetch_gate_up else 0)
+                | (OPT_PREFETCH_DOWN if self.prefetch_down else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,

@@ -134,6 +134,22 @@ def test_plan_shows_an_mla_layers_table_with_m1b_first(capsys):
     assert re.search(rf"floor:\s+{streamed} MB weights", out), out
 
 
+def test_plan_shows_a_split_tiles_last_part_on_its_own_line(capsys):
+    """S = 8 at the mono defaults (mono.MONO_X_K_PARTS parts of K): the router's and
+    the latent down's earlier parts raise their parts flag, the last part polls it
+    in the task and raises the tile's push."""
+    from k3mono.mono import MONO_X_K_PARTS
+
+    assert main(["plan", "--tokens", "8", "--tp", "8", "--sms", "132"]) == 0
+    rows = {line.split()[1] + " " + line.split()[4]: line for line in capsys.readouterr().out.splitlines()
+            if line.split()[1:2] in (["ROUTER"], ["LATENT_DOWN"])}
+    last, early = MONO_X_K_PARTS - 1, f"0..{MONO_X_K_PARTS - 2}"
+    assert f"LOGIT_PARTS[0..6]>={last}(in task)" in rows[f"ROUTER {last}"] and "LOGITS[0]" in rows[f"ROUTER {last}"]
+    assert rows[f"ROUTER {early}"].endswith("LOGIT_PARTS[0..6]")
+    assert f"Z_PARTS[0..27]>={last}(in task)" in rows[f"LATENT_DOWN {last}"]
+    assert rows[f"LATENT_DOWN {early}"].endswith("Z_PARTS[0..27]")
+
+
 def test_bench_results_name_their_commit_and_a_tree_that_differs_from_it(tmp_path, monkeypatch):
     """bench's JSON names HEAD, with "-dirty" where tracked files differ from it
     (a tree copied beside a stale .git reads so); K3MONO_COMMIT overrides both."""

@@ -97,7 +97,8 @@ def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: b
     m1c = m1c_shape(name, tp, tokens) if mla == "m1c" else None
     options = MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c, route_early=route_early,
                           shared_late=shared_late,
-                          tiles=TileChoice(x_token_groups=mla == "x_groups", x_k_parts=X_PARTS if mla == "x_parts" else 1),
+                          tiles=TileChoice(x_token_groups=mla == "x_groups",
+                                           x_k_parts=X_PARTS if mla == "x_parts" else 1),
                           prefetch_shared=prefetch_shared, prefetch_final_early=prefetch_final_early)
     return plan(preset(name), tp, tokens, sms, options)
 

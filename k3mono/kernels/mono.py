@@ -20,8 +20,9 @@ Per task:
    cp.async.bulk.prefetch, one instruction a range, nothing held or waited
    for; ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the chosen experts' rows and
    scales for EXPERT_GU / EXPERT_DOWN, always with PREFETCH_GU / PREFETCH_DN)
-   while the awaited flag settles; the stage function then reads them from L2. (PREFETCH_FINAL and PREFETCH_SHARED
-   tasks, options of the table, do only that, for FINAL's and SHARED_GU's rows.)
+   while the awaited flag settles; the stage function then reads them from
+   L2. (PREFETCH_FINAL and PREFETCH_SHARED tasks, options of the table, do
+   only that, for FINAL's and SHARED_GU's rows.)
    OPROJ waits only where M1B runs first (then its w_o rows are asked for while
    the core settles; otherwise its weights stream at once); M1C has no wait; M1B
    has none either, or, where M1C runs first, one for every M1C task (its w_v
@@ -29,7 +30,9 @@ Per task:
    REDUCE*, SEAM_*, ROUTE* and LATENT_* read activations (and norm vectors) only;
 3. poll the other waits, in table order, but for the task's own (``late_waits``:
    FINAL with MonoOptions.final_split polls LATENT_READY after its shared
-   down-projection, before its latent up-projection);
+   down-projection, before its latent up-projection; the last part of a
+   split ROUTER / LATENT_DOWN tile, planner.X_K_PARTS, polls its tile's
+   parts flag after its own part, before it sums them);
 4. run the kind's task function, which stores its own results: the GEMV kinds
    (``*_push_task`` below: the stage task function unchanged, then its tile
    into each of the NP peer buffers: o_proj / final partials to ar slot
