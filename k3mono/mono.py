@@ -173,9 +173,10 @@ one H100 (benchmarks/defaults_ab.py, one rank of TP8, docs/PERF.md), parts 1 /
 / 321.9, 321.7 / 321.5, 322.2; parts 4 / 2 on another H100: S = 8 204.9, 204.9
 / 203.6, 202.7, S = 16 321.2, 320.9 / 324.5, 325.0. The S = 8 trace at 7 parts
 had the route's first token at 32.7 us (48.5 at 1 part on an H200); the expert
-gate/up phase, HBM-bound, ended where it did. With the router short, the
-route's tasks before SHARED_GU (route_early) still gained nothing: S = 8 205.2,
-205.6 -> 204.9, 204.6, S = 16 322.0, 321.9 -> 321.9, 322.6."""
+gate/up phase, its tasks together near the copy bandwidth, ended where it did.
+With the router short, the route's tasks before SHARED_GU (route_early) still
+gained nothing: S = 8 205.2, 205.6 -> 204.9, 204.6, S = 16 322.0, 321.9 ->
+321.9, 322.6."""
 
 DEFAULT_TILES = TileChoice(expert_lookahead=True, oproj_rows=32, final_rows=32, expert_f16=EXPERT_F16_SUMS,
                            x_k_parts=MONO_X_K_PARTS)
