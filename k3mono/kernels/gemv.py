@@ -275,7 +275,8 @@ def sum_parts(
     PARTS: tl.constexpr,
 ):
     """[SP, ROWS] fp32: zero + parts 0 .. PARTS - 2 + ``last``, in that order
-    (gemv_parts_tile's sum, so its bits); rows past N and tokens past S are 0."""
+    (gemv_parts_tile's sum, so its bits); tokens past S are 0, rows past N
+    garbage as gemv_tile's (store_rows masks them)."""
     tok = tl.arange(0, SP)
     rows = row0 + tl.arange(0, ROWS)
     offsets = tok[:, None] * N + rows[None, :]
