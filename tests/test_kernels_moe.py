@@ -362,10 +362,11 @@ def test_experts(name, tp, tokens, coarse):
     check_experts(name, tp, tokens, experts_geometry(cfg, tp, tokens, coarse))
 
 
-@pytest.mark.parametrize("name,tp,tokens", [("tiny", 2, 3), ("small", 1, 16), ("kimi-k3", 8, 2)])
+@pytest.mark.parametrize("name,tp,tokens", [("tiny", 2, 3), ("small", 1, 16), ("small", 4, 8)])
 def test_experts_with_wide_down_steps(name, tp, tokens):
     """TileChoice.down_rows 64 and down_step_kb 16: twice the rows and twice the
-    bytes a down step (kimi-k3 at TP8: 16 of the K * I/T / 32 = 192 group columns)."""
+    bytes a down step (the released dims are too large for the interpreter here;
+    gpu_check runs them)."""
     cfg, _ = rank_weights(name, tp)
     geom = stage_geometry(cfg, tp, tokens, tiles=TileChoice(down_rows=64, down_step_kb=16))
     L, columns = cfg.routed_expert_hidden_size, cfg.num_experts_per_token * cfg.moe_intermediate_size // tp
