@@ -472,11 +472,11 @@ def test_default_tiles_take_given_fields_and_the_tensor_core_experts_drop_the_f1
     order) unless expert_f16 is given too, which TileChoice then refuses."""
     assert default_tiles(1, down_rows=8, m1b_rows=16) == replace(default_tiles(1), down_rows=8, m1b_rows=16)
     mma = default_tiles(8, expert_mma=True)
-    assert mma == replace(DEFAULT_TILES, expert_mma=True, expert_f16=False)
+    assert mma == replace(default_tiles(8), expert_mma=True, expert_f16=False)
     mma.check()
     with pytest.raises(K3InputError, match="expert_mma and expert_f16"):
         default_tiles(8, expert_mma=True, expert_f16=True).check()
-    assert default_tiles(8, expert_mma=False) == DEFAULT_TILES
+    assert default_tiles(8, expert_mma=False) == default_tiles(8)
 
 
 def test_a_build_key_caps_registers_so_its_planned_ctas_stay_resident():
