@@ -38,7 +38,9 @@
 # the S = 1 router forming x from h, the same; x_parts: the router and latent down by parts of K timed, traced, checked;
 # x_parts_default: with parts the default, the route early and 2 parts timed, the traces, the check;
 # expert_prefetch: the expert tasks' rows asked for at once, timed, the S = 8 trace; down_step: 16 KB down steps timed;
-# wide_check: the wide down tasks checked and traced at their defaults;
+# wide_check: the wide down tasks checked and traced at their defaults; m1b_prefetch: o_proj's rows asked for
+# before M1b's core, traced and timed against the plain launch; oproj_step: o_proj's K step timed (with M1b
+# folded in and not) and traced;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -157,6 +159,22 @@ for s in $STEPS; do
             --oproj-rows 32 64 --final-rows 32 64 --skip-staged
         step staged_rows 120 python3 benchmarks/mono_sweep.py --tokens 1 8 --oproj-rows 8 32 --final-rows 8 32 \
             --skip-mono ;;
+    m1b_prefetch)  # M1b folded in: OPROJ asking for its w_o rows before its wait for the core (prefetch_oproj),
+        # the S = 1 traces off / on, then the fold against the plain launch at S = 1 and 16, off / on
+        step trace_m1b_po0 120 python3 benchmarks/mono_trace.py --tokens 1 --m1b --out "$RESULTS"
+        step trace_m1b_po1 120 python3 benchmarks/mono_trace.py --tokens 1 --m1b --set prefetch_oproj=1 --out "$RESULTS"
+        step m1b_prefetch_ab 280 python3 benchmarks/defaults_ab.py --m1b --field prefetch_oproj --values 0 1 \
+            --tokens 1 16 --rounds 2 ;;
+    oproj_step)  # o_proj tasks' K step (TileChoice.oproj_step_kb): the M1b fold with and without prefetch_oproj (S = 1),
+        # the plain launch (S = 1, 8, 16), then the S = 1 fold's trace at 32 KB with prefetch_oproj
+        step oproj_step_m1b_po1 120 python3 benchmarks/defaults_ab.py --m1b --field oproj_step_kb --values 8 16 32 \
+            --tokens 1 --also prefetch_oproj=1
+        step oproj_step_m1b_po0 100 python3 benchmarks/defaults_ab.py --m1b --field oproj_step_kb --values 16 32 \
+            --tokens 1
+        step oproj_step_plain 200 python3 benchmarks/defaults_ab.py --field oproj_step_kb --values 8 16 32 \
+            --tokens 1 8 16
+        step trace_m1b_step32 100 python3 benchmarks/mono_trace.py --tokens 1 --m1b \
+            --set prefetch_oproj=1 oproj_step_kb=32 --out "$RESULTS" ;;
     m1b_rows)  # S = 1, M1b folded in: 16, 32 and 64 value rows an M1B task (TileChoice.m1b_rows)
         step mono_trace_m1b_rows 200 python3 benchmarks/mono_trace.py --tokens 1 --m1b --m1b-rows 16 32 64 \
             --out "$RESULTS" ;;

@@ -83,9 +83,9 @@ from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, check_same_device, check_unit_stride, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
 from .mxfp4 import ExpertOrderCache, expert_order, expert_order_cache
-from .planner import (COL, MONO_WARPS, OPT_EXPERT_EVICT_FIRST, OPT_PREFETCH_DOWN, OPT_PREFETCH_GATE_UP, PEER_FLAGS,
-                      M1bShape, M1cShape, MonoOptions, TileChoice, next_pow2, plan, resident_register_cap,
-                      timing_variant)
+from .planner import (COL, MONO_WARPS, OPT_EXPERT_EVICT_FIRST, OPT_PREFETCH_DOWN, OPT_PREFETCH_GATE_UP,
+                      OPT_PREFETCH_OPROJ, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice, next_pow2, plan,
+                      resident_register_cap, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_blocks, check_layer_inputs
 from .weights import LayerWeights, check_shard
@@ -219,6 +219,18 @@ defaults, docs/PERF.md): 72.7 (8 KB) -> 71.1 (16) and 72.4 (32, which spills
 gained nothing: 72.7 both."""
 
 
+SINGLE_TOKEN_OPROJ_STEP_KB = 16
+"""KB an o_proj task loads a step at S = 1 (TileChoice.oproj_step_kb; the other
+sizes keep DEFAULT_TILES' 8): every later task waits for o_proj, and a 32-row
+task is 12 steps of 8 KB, two in flight, at 2.0 TB/s over all of o_proj's 22 MB
+(TP8; the S = 1 trace at cfd5a34 on an H100: done at 10.9 us). Offline sm_90a
+builds: S = 1 168 registers and 24 B of stack as at 8 KB; 32 KB takes 255
+registers. Measured on one H100 (benchmarks/defaults_ab.py, one rank of TP8,
+docs/PERF.md), us, 8 / 16 / 32 KB: S = 1 71.1, 71.2 / 70.2, 70.1 / 71.2, 71.1;
+S = 8 197.8, 197.5 / 197.3, 196.8 / 200.4, 200.2 (within its spread: 8 KB stays);
+S = 16 316.6, 316.9 / 321.6, 321.4 / 367.2, 367.4."""
+
+
 SINGLE_TOKEN_ROUTER_ROWS = 1
 SINGLE_TOKEN_LATENT_ROWS = 4
 """Router and latent down task rows of the mono launch at S = 1 (the other sizes
@@ -252,7 +264,8 @@ against 64 / 16: S = 8 194.3, 193.5 / 191.2, 191.6, S = 16 325.1, 324.8 / 310.8,
 
 def default_tiles(tokens: int, **given) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows,
-    SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step and SINGLE_TOKEN_ROUTER_ROWS /
+    SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step, SINGLE_TOKEN_OPROJ_STEP_KB an
+    o_proj step and SINGLE_TOKEN_ROUTER_ROWS /
     SINGLE_TOKEN_LATENT_ROWS router / latent rows, from S = WIDE_DOWN_MIN_TOKENS
     the wide down tasks; any field in ``given`` overrides its default. The
     tensor-core experts read mma order, so asking for them drops the default
@@ -260,7 +273,8 @@ def default_tiles(tokens: int, **given) -> TileChoice:
     tiles = DEFAULT_TILES
     if tokens == 1:
         tiles = dataclasses.replace(tiles, down_rows=SINGLE_TOKEN_DOWN_ROWS, shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB,
-                                    router_rows=SINGLE_TOKEN_ROUTER_ROWS, latent_rows=SINGLE_TOKEN_LATENT_ROWS)
+                                    oproj_step_kb=SINGLE_TOKEN_OPROJ_STEP_KB, router_rows=SINGLE_TOKEN_ROUTER_ROWS,
+                                    latent_rows=SINGLE_TOKEN_LATENT_ROWS)
     if tokens >= WIDE_DOWN_MIN_TOKENS:
         tiles = dataclasses.replace(tiles, down_rows=WIDE_DOWN_ROWS, down_step_kb=WIDE_DOWN_STEP_KB)
     if given.get("expert_mma"):
@@ -315,7 +329,8 @@ def default_options(tokens: int, **choices) -> MonoOptions:
 
 
 OPTION_FIELDS = ("prefetch_final", "prefetch_final_early", "prefetch_shared", "route_early", "shared_late",
-                 "expert_evict_first", "final_split", "prefetch_gate_up", "prefetch_down", "poll_sleep_ns",
+                 "expert_evict_first", "final_split", "prefetch_gate_up", "prefetch_down", "prefetch_oproj",
+                 "poll_sleep_ns",
                  "ctas_per_sm")
 """The MonoOptions fields ``default_options_with`` sets (the others are shapes or tiles)."""
 
@@ -506,6 +521,7 @@ def build(key: MonoBuild) -> Compiled:
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
         PREFETCH_GU=bool(key.opt & OPT_PREFETCH_GATE_UP), PREFETCH_DN=bool(key.opt & OPT_PREFETCH_DOWN),
+        PREFETCH_OP=bool(key.opt & OPT_PREFETCH_OPROJ),
         EXPERT_DEQUANT=DEQUANT_F16 if key.tiles.expert_f16 else DEFAULT_DEQUANT,
         CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),

@@ -74,7 +74,9 @@ T = 8 is only 3 steps of 512, each a full memory round trip. Measured on the
 H200 (docs/PERF.md, 2026-12-03): 16 and 32 KB were slower; 8 stays. The shared
 gate/up tasks may take their own (TileChoice.shared_step_kb): at TP8, S = 1 a
 shared task is a latency-bound chain of 28 steps of 8 KB, where o_proj's are few
-(mono.SINGLE_TOKEN_SHARED_STEP_KB)."""
+(mono.SINGLE_TOKEN_SHARED_STEP_KB); so may the o_proj tasks
+(TileChoice.oproj_step_kb): every other task waits for them, and a 32-row task at
+S = 1 is 12 steps of 8 KB, two in flight."""
 
 SHARED_ROWS = FMA_TILE[0]
 SHARED_ROWS_CHOICES = (2, 4, 8)
@@ -346,6 +348,7 @@ class TileChoice:
     final_rows: int = HIDDEN_ROWS
     m1b_rows: int = BACK_BLOCK_DV
     shared_step_kb: int = DENSE_STEP_KB
+    oproj_step_kb: int = DENSE_STEP_KB
     expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
     expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
     x_token_groups: bool = X_TOKEN_GROUPS  # above FMA_MAX_TOKENS: router and latent down by groups of tokens
@@ -353,7 +356,7 @@ class TileChoice:
     x_k_parts: int = X_K_PARTS  # the tl.dot router and latent down: parts of K a row tile (X_K_PARTS_CHOICES)
 
     def check(self) -> None:
-        for name in ("dense_step_kb", "shared_step_kb"):
+        for name in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
             step_kb = getattr(self, name)
             if step_kb not in DENSE_STEP_KB_CHOICES:
                 raise K3InputError(f"tiles.{name}: expected one of {DENSE_STEP_KB_CHOICES}, got {step_kb!r}")
@@ -626,7 +629,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         tokens=tokens,
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
-        oproj=_dense(H, C // tp, use_dot, step_kb, tiles.oproj_rows),
+        oproj=_dense(H, C // tp, use_dot, tiles.oproj_step_kb, tiles.oproj_rows),
         router=_dense(E // tp, H // x_parts, x_dot, step_kb, tiles.router_rows),  # a part's K
         latent_down=_dense(L // tp, H // x_parts, x_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, tiles.shared_step_kb, tiles.shared_rows),
@@ -773,9 +776,10 @@ OPT_PREFETCH_SHARED = 1 << 7
 OPT_PREFETCH_FINAL_EARLY = 1 << 8
 OPT_PREFETCH_GATE_UP = 1 << 9
 OPT_PREFETCH_DOWN = 1 << 10
+OPT_PREFETCH_OPROJ = 1 << 11
 OPT_ALL = (OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE | OPT_EXPERT_EVICT_FIRST
            | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED | OPT_PREFETCH_FINAL_EARLY | OPT_PREFETCH_GATE_UP
-           | OPT_PREFETCH_DOWN)
+           | OPT_PREFETCH_DOWN | OPT_PREFETCH_OPROJ)
 
 
 class TaskKind(enum.IntEnum):
@@ -905,6 +909,17 @@ class MonoOptions:
     prefetch_gate_up S = 1 70.6, 70.6 -> 74.7, 74.4, S = 8 205.9, 204.9 -> 210.6,
     209.8 (the S = 8 trace: a down task 12.3 us against 13.6, but the phase ended
     7 us later): off.
+    prefetch_oproj (a build-key bit, ``bits()``; acts only with m1b): every OPROJ
+    task asks the copy engine for all of its w_o rows before it waits for the
+    core M1B writes, whatever the launch's prefetch mode, so the 22 MB (TP8) of
+    w_o stream into L2 while M1b combines the splits, and o_proj then reads L2
+    instead of starting its stream from HBM once the core exists. The same sums.
+    Measured slower on two H100s (benchmarks/defaults_ab.py --m1b, S = 1, one
+    rank of TP8, us; the plain launch 71.1 to 71.4): the fold 79.4, 79.1 -> 83.9,
+    84.1; at 16 KB o_proj steps 78.6, 78.6 -> 81.5, 81.7; S = 16 376.9, 377.8 ->
+    383.7, 385.2. The traces: the M1B tasks ran 9.1 us instead of 6.3 (HBM
+    shared with the 22 MB asked for), and an o_proj task still took 7.9 us
+    after the core (10.0 without): off.
     """
 
     prefetch_final: bool = False
@@ -921,6 +936,7 @@ class MonoOptions:
     prefetch_final_early: bool = False
     prefetch_gate_up: bool = False
     prefetch_down: bool = False
+    prefetch_oproj: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
@@ -930,7 +946,8 @@ class MonoOptions:
                 | (OPT_FINAL_SPLIT if self.final_split else 0) | (OPT_PREFETCH_SHARED if self.prefetch_shared else 0)
                 | (OPT_PREFETCH_FINAL_EARLY if self.prefetch_final_early else 0)
                 | (OPT_PREFETCH_GATE_UP if self.prefetch_gate_up else 0)
-                | (OPT_PREFETCH_DOWN if self.prefetch_down else 0))
+                | (OPT_PREFETCH_DOWN if self.prefetch_down else 0)
+                | (OPT_PREFETCH_OPROJ if self.prefetch_oproj else 0))
 
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
@@ -947,7 +964,8 @@ class MonoOptions:
                    shared_late=bool(bits & OPT_SHARED_LATE), expert_evict_first=bool(bits & OPT_EXPERT_EVICT_FIRST),
                    final_split=bool(bits & OPT_FINAL_SPLIT), prefetch_shared=bool(bits & OPT_PREFETCH_SHARED),
                    prefetch_final_early=bool(bits & OPT_PREFETCH_FINAL_EARLY),
-                   prefetch_gate_up=bool(bits & OPT_PREFETCH_GATE_UP), prefetch_down=bool(bits & OPT_PREFETCH_DOWN))
+                   prefetch_gate_up=bool(bits & OPT_PREFETCH_GATE_UP), prefetch_down=bool(bits & OPT_PREFETCH_DOWN),
+                   prefetch_oproj=bool(bits & OPT_PREFETCH_OPROJ))
 
 
 @dataclass(frozen=True)

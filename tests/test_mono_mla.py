@@ -197,15 +197,19 @@ def test_m1b_and_plain_runners_refuse_each_others_inputs():
                                   act["blocks"])
 
 
-def test_o_proj_weights_read_before_the_core_wait_change_no_bits():
-    """PREFETCH = 2: every OPROJ reads its w_o tile before it polls CORE."""
+@pytest.mark.parametrize("prefetch,prefetch_oproj", [(2, False), (0, True)], ids=["prefetch2", "prefetch_oproj"])
+def test_o_proj_weights_read_before_the_core_wait_change_no_bits(prefetch, prefetch_oproj):
+    """PREFETCH = 2 (every kind), or MonoOptions.prefetch_oproj alone: every OPROJ
+    asks for its w_o tile before it polls CORE."""
     cfg = preset("tiny")
     shards = shard_all(layer_weights(), cfg, 1)
     act = random_inputs(cfg, 1, LAYER, seed=5)
     m1b_in = m1b_inputs(cfg, 1, 1, torch.bfloat16, seed=5)
     shape = M1bShape(splits=SPLITS, latent=LATENT)
     plain = MonoRunner(cfg, shards, 1, LAYER, options=MonoOptions(m1b=shape), prefetch=0)
-    eager = MonoRunner(cfg, shards, 1, LAYER, options=MonoOptions(m1b=shape), prefetch=2)
+    eager = MonoRunner(cfg, shards, 1, LAYER, options=MonoOptions(m1b=shape, prefetch_oproj=prefetch_oproj),
+                       prefetch=prefetch)
+    assert (eager.key.opt != plain.key.opt) == prefetch_oproj
     a = plain.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
     b = eager.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
     assert all(torch.equal(bits(getattr(a, n)), bits(getattr(b, n))) for n in NAMES)

@@ -726,10 +726,10 @@ def test_cli_plan_bad_value_is_one_line_and_exit_2(args, message, capsys):
 
 
 def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
-    """TileChoice.dense_step_kb (shared_step_kb for the shared gate/up tasks)
-    doubles or quadruples a dense task's K step (never past the input width
-    rounded up to a power of two), keeps its rows, and still streams every
-    weight byte once."""
+    """TileChoice.dense_step_kb (shared_step_kb for the shared gate/up tasks,
+    oproj_step_kb for o_proj's) doubles or quadruples a dense task's K step
+    (never past the input width rounded up to a power of two), keeps its rows,
+    and still streams every weight byte once."""
     cfg = preset("kimi-k3")
     T, H = 8, cfg.hidden_size
     in_dims = {"oproj": cfg.core_width // T, "router": H, "latent_down": H, "shared_gate_up": H,
@@ -737,20 +737,22 @@ def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
     for tokens in (1, 8):
         base = stage_geometry(cfg, T, tokens)
         for kb in (16, 32):
-            wide = stage_geometry(cfg, T, tokens, tiles=TileChoice(dense_step_kb=kb, shared_step_kb=kb))
+            widened = dict(dense_step_kb=kb, shared_step_kb=kb, oproj_step_kb=kb)
+            wide = stage_geometry(cfg, T, tokens, tiles=TileChoice(**widened))
             for stage, k in in_dims.items():
                 b, w = getattr(base, stage), getattr(wide, stage)
                 assert w.rows == b.rows, stage
                 assert w.block_k == min(b.block_k * kb // 8, 1 << (k - 1).bit_length()), stage
-            shared_only = stage_geometry(cfg, T, tokens, tiles=TileChoice(shared_step_kb=kb))
-            assert shared_only.shared_gate_up == wide.shared_gate_up
-            assert [getattr(shared_only, s) for s in in_dims if s != "shared_gate_up"] == [
-                getattr(base, s) for s in in_dims if s != "shared_gate_up"]
-            table = plan(cfg, T, tokens, 132, MonoOptions(tiles=TileChoice(dense_step_kb=kb, shared_step_kb=kb)))
+            for own, stage in (("shared_step_kb", "shared_gate_up"), ("oproj_step_kb", "oproj")):
+                alone = stage_geometry(cfg, T, tokens, tiles=TileChoice(**{own: kb}))
+                assert getattr(alone, stage) == getattr(wide, stage), own
+                assert [getattr(alone, s) for s in in_dims if s != stage] == [
+                    getattr(base, s) for s in in_dims if s != stage], own
+            table = plan(cfg, T, tokens, 132, MonoOptions(tiles=TileChoice(**widened)))
             streamed = lambda t: sorted(s for task in t.tasks for s in task.streams)  # noqa: E731
             assert streamed(table) == streamed(plan(cfg, T, tokens, 132))
-    assert stage_geometry(cfg, T, 1, tiles=TileChoice(dense_step_kb=32)).oproj.block_k == 2048  # K = C/T: one step
-    for field in ("dense_step_kb", "shared_step_kb"):
+    assert stage_geometry(cfg, T, 1, tiles=TileChoice(oproj_step_kb=32)).oproj.block_k == 2048  # K = C/T: one step
+    for field in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
         with pytest.raises(K3InputError, match=field):
             plan(cfg, T, 1, 132, MonoOptions(tiles=TileChoice(**{field: 12})))
 
