@@ -40,7 +40,8 @@
 # expert_prefetch: the expert tasks' rows asked for at once, timed, the S = 8 trace; down_step: 16 KB down steps timed;
 # wide_check: the wide down tasks checked and traced at their defaults; m1b_prefetch: o_proj's rows asked for
 # before M1b's core, traced and timed against the plain launch; oproj_step: o_proj's K step timed (with M1b
-# folded in and not) and traced;
+# folded in and not) and traced; l2_reads: the dense tile from L2 against HBM, o_proj's step at S = 2, 4, the S = 1
+# checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -175,6 +176,16 @@ for s in $STEPS; do
             --tokens 1 8 16
         step trace_m1b_step32 100 python3 benchmarks/mono_trace.py --tokens 1 --m1b \
             --set prefetch_oproj=1 oproj_step_kb=32 --out "$RESULTS" ;;
+    l2_reads)  # the staged o_proj tile reading w_o from L2 against HBM; o_proj's 16 KB step at S = 2 and 4; the S = 1
+        # defaults checked (T = 8 loopback and T = 1; grids of 132 and 1 CTAs, beside a kernel on 66 SMs), and the fold
+        step l2_reads 60 python3 benchmarks/l2_reads.py
+        step oproj_step_s24 120 python3 benchmarks/defaults_ab.py --field oproj_step_kb --values 8 16 --tokens 2 4
+        step check_s1 150 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 --grids 132 1 --occupy-sms 66
+        step mla_check_s1 150 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 32768 --kv fp8 ;;
+    oproj_check)  # the 16 KB o_proj step's defaults (S <= 8) checked at S = 4 and 8 (T = 8 loopback and T = 1, grids of 132
+        # and 1 CTAs, beside a kernel on 66 SMs), then the MLA layer at S = 1 (fp8, 32 K: staged and both folds)
+        step check_s48 210 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 4 8 --grids 132 1 --occupy-sms 66
+        step mla_check_s1 240 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 32768 --kv fp8 ;;
     m1b_rows)  # S = 1, M1b folded in: 16, 32 and 64 value rows an M1B task (TileChoice.m1b_rows)
         step mono_trace_m1b_rows 200 python3 benchmarks/mono_trace.py --tokens 1 --m1b --m1b-rows 16 32 64 \
             --out "$RESULTS" ;;

@@ -219,16 +219,20 @@ defaults, docs/PERF.md): 72.7 (8 KB) -> 71.1 (16) and 72.4 (32, which spills
 gained nothing: 72.7 both."""
 
 
-SINGLE_TOKEN_OPROJ_STEP_KB = 16
-"""KB an o_proj task loads a step at S = 1 (TileChoice.oproj_step_kb; the other
-sizes keep DEFAULT_TILES' 8): every later task waits for o_proj, and a 32-row
-task is 12 steps of 8 KB, two in flight, at 2.0 TB/s over all of o_proj's 22 MB
-(TP8; the S = 1 trace at cfd5a34 on an H100: done at 10.9 us). Offline sm_90a
-builds: S = 1 168 registers and 24 B of stack as at 8 KB; 32 KB takes 255
-registers. Measured on one H100 (benchmarks/defaults_ab.py, one rank of TP8,
-docs/PERF.md), us, 8 / 16 / 32 KB: S = 1 71.1, 71.2 / 70.2, 70.1 / 71.2, 71.1;
-S = 8 197.8, 197.5 / 197.3, 196.8 / 200.4, 200.2 (within its spread: 8 KB stays);
-S = 16 316.6, 316.9 / 321.6, 321.4 / 367.2, 367.4."""
+WIDE_OPROJ_MAX_TOKENS = 8
+WIDE_OPROJ_STEP_KB = 16
+"""KB an o_proj task loads a step up to S = WIDE_OPROJ_MAX_TOKENS
+(TileChoice.oproj_step_kb; from there on DEFAULT_TILES' 8): every later task
+waits for o_proj, and a 32-row task at S = 1 is 12 steps of 8 KB, two in
+flight, at 2.0 TB/s over all of o_proj's 22 MB (TP8; the S = 1 trace at cfd5a34
+on an H100: done at 10.9 us). Offline sm_90a builds: S = 1 168 registers and
+24 B of stack as at 8 KB (32 KB takes 255 registers); S = 8 255 and 56 B (40 B
+at 8 KB), 48 KB of shared memory (32). Measured on two H100s
+(benchmarks/defaults_ab.py, one rank of TP8, docs/PERF.md), us, 8 / 16 / 32 KB:
+S = 1 71.1, 71.2 / 70.2, 70.1 / 71.2, 71.1; S = 8 197.8, 197.5 / 197.3, 196.8 /
+200.4, 200.2; S = 16 316.6, 316.9 / 321.6, 321.4 / 367.2, 367.4; on the second,
+8 / 16 KB: S = 2 96.6, 96.6 / 96.8, 96.7, S = 4 136.4, 136.5 / 131.0, 130.7.
+S = 3, 5, 6 and 7 were not timed."""
 
 
 SINGLE_TOKEN_ROUTER_ROWS = 1
@@ -264,17 +268,18 @@ against 64 / 16: S = 8 194.3, 193.5 / 191.2, 191.6, S = 16 325.1, 324.8 / 310.8,
 
 def default_tiles(tokens: int, **given) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows,
-    SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step, SINGLE_TOKEN_OPROJ_STEP_KB an
-    o_proj step and SINGLE_TOKEN_ROUTER_ROWS /
-    SINGLE_TOKEN_LATENT_ROWS router / latent rows, from S = WIDE_DOWN_MIN_TOKENS
-    the wide down tasks; any field in ``given`` overrides its default. The
+    SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step and SINGLE_TOKEN_ROUTER_ROWS /
+    SINGLE_TOKEN_LATENT_ROWS router / latent rows, up to S = WIDE_OPROJ_MAX_TOKENS
+    WIDE_OPROJ_STEP_KB an o_proj step, from S = WIDE_DOWN_MIN_TOKENS the wide
+    down tasks; any field in ``given`` overrides its default. The
     tensor-core experts read mma order, so asking for them drops the default
     f16 sums (the other order) unless expert_f16 is given too."""
     tiles = DEFAULT_TILES
     if tokens == 1:
         tiles = dataclasses.replace(tiles, down_rows=SINGLE_TOKEN_DOWN_ROWS, shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB,
-                                    oproj_step_kb=SINGLE_TOKEN_OPROJ_STEP_KB, router_rows=SINGLE_TOKEN_ROUTER_ROWS,
-                                    latent_rows=SINGLE_TOKEN_LATENT_ROWS)
+                                    router_rows=SINGLE_TOKEN_ROUTER_ROWS, latent_rows=SINGLE_TOKEN_LATENT_ROWS)
+    if tokens <= WIDE_OPROJ_MAX_TOKENS:
+        tiles = dataclasses.replace(tiles, oproj_step_kb=WIDE_OPROJ_STEP_KB)
     if tokens >= WIDE_DOWN_MIN_TOKENS:
         tiles = dataclasses.replace(tiles, down_rows=WIDE_DOWN_ROWS, down_step_kb=WIDE_DOWN_STEP_KB)
     if given.get("expert_mma"):

@@ -22,7 +22,8 @@ from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_LATENT_ROWS,
                          WIDE_DOWN_MIN_TOKENS, WIDE_DOWN_ROWS, WIDE_DOWN_STEP_KB,
-                         SINGLE_TOKEN_OPROJ_STEP_KB, SINGLE_TOKEN_ROUTER_ROWS, SINGLE_TOKEN_SHARED_STEP_KB,
+                         SINGLE_TOKEN_ROUTER_ROWS, SINGLE_TOKEN_SHARED_STEP_KB, WIDE_OPROJ_MAX_TOKENS,
+                         WIDE_OPROJ_STEP_KB,
                          MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_options, default_options_with,
                          default_tiles, mono_key, parse_option_fields,
                          peer_regions, scratch_regions)
@@ -442,10 +443,10 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
 def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_only():
     """The measured defaults (mono.default_options): the expert loops summing in f16
     at every S; S = 1 takes SINGLE_TOKEN_DOWN_ROWS down rows, SINGLE_TOKEN_ROUTER_ROWS
-    router and SINGLE_TOKEN_LATENT_ROWS latent rows, SINGLE_TOKEN_SHARED_STEP_KB a shared step,
-    SINGLE_TOKEN_OPROJ_STEP_KB an o_proj step and SHARED_GU after
+    router and SINGLE_TOKEN_LATENT_ROWS latent rows, SINGLE_TOKEN_SHARED_STEP_KB a shared step and SHARED_GU after
     EXPERT_GU, every other S DEFAULT_TILES (from WIDE_DOWN_MIN_TOKENS with the
-    wide down tasks) and the planner's order; every S the
+    wide down tasks) and the planner's order; up to WIDE_OPROJ_MAX_TOKENS a
+    WIDE_OPROJ_STEP_KB o_proj step; every S the
     FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the expert weights evict_first;
     from MANY_CTAS_MIN_TOKENS 3 CTAs a SM under a register cap that keeps them
     resident; a caller's options are kept as given."""
@@ -454,10 +455,11 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
                                     shared_step_kb=SINGLE_TOKEN_SHARED_STEP_KB, router_rows=SINGLE_TOKEN_ROUTER_ROWS,
                                     latent_rows=SINGLE_TOKEN_LATENT_ROWS,
-                                    oproj_step_kb=SINGLE_TOKEN_OPROJ_STEP_KB) != DEFAULT_TILES
-    assert keys[2].tiles == keys[4].tiles == DEFAULT_TILES
+                                    oproj_step_kb=WIDE_OPROJ_STEP_KB) != DEFAULT_TILES
+    assert keys[2].tiles == keys[4].tiles == replace(DEFAULT_TILES, oproj_step_kb=WIDE_OPROJ_STEP_KB)
     wide = replace(DEFAULT_TILES, down_rows=WIDE_DOWN_ROWS, down_step_kb=WIDE_DOWN_STEP_KB)
-    assert keys[8].tiles == keys[16].tiles == wide and WIDE_DOWN_MIN_TOKENS == 8
+    assert keys[8].tiles == replace(wide, oproj_step_kb=WIDE_OPROJ_STEP_KB) and WIDE_OPROJ_MAX_TOKENS == 8
+    assert keys[16].tiles == wide and WIDE_DOWN_MIN_TOKENS == 8
     assert all(k.tiles.expert_f16 for k in keys.values())  # EXPERT_F16_SUMS: one expert order at every S
     assert [k.options.shared_late for k in keys.values()] == [True, False, False, False, False]
     assert [k.options.expert_evict_first for k in keys.values()] == [s <= EVICT_FIRST_MAX_TOKENS for s in keys]
