@@ -58,7 +58,7 @@ def main() -> None:
                 times.setdefault((tokens, column), []).append(seconds * 1e6)
                 print(f"round {round_} T={args.tp} S={tokens:>2} {column}: {seconds * 1e6:8.1f} us", flush=True)
                 torch.cuda.empty_cache()
-    folded = " (M1b folded in but in the plain column)" if args.m1b else ""
+    folded = " (M1b folded in: every column but plain)" if args.m1b else ""
     print(f"\n{' '.join(args.also)}{folded}\n| S | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     for tokens in args.tokens:
