@@ -527,6 +527,7 @@ def build(key: MonoBuild) -> Compiled:
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
         PREFETCH_GU=bool(key.opt & OPT_PREFETCH_GATE_UP), PREFETCH_DN=bool(key.opt & OPT_PREFETCH_DOWN),
         PREFETCH_OP=bool(key.opt & OPT_PREFETCH_OPROJ),
+        DENSE_AHEAD=key.tiles.dense_lookahead,
         EXPERT_DEQUANT=DEQUANT_F16 if key.tiles.expert_f16 else DEFAULT_DEQUANT,
         CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),

@@ -24,8 +24,15 @@ the memory bandwidth:
   shuffle and no CTA barrier inside the loop) and reduces across lanes and
   warps once at the end. x is loaded broadcast to the weight tile's shape so
   it gets the weight tile's register layout (no per-step layout conversion; the
-  repeated reads hit L1), and the weight tiles are double-buffered in
-  registers so the next step's loads are in flight during this step's FMAs.
+  repeated reads hit L1). The next step's weight load is issued once this
+  step's tile is read: the sm_90a build refills the same registers, so one
+  step is in flight and each step waits out a memory round trip (a 32-row
+  o_proj task at S = 1: 12 steps of 8 KB, 10 us from HBM and 7.9 from L2 in
+  the mono launch's traces). With AHEAD (TileChoice.dense_lookahead) the loop
+  is Triton's pipelined range: the weight and x tiles of the next
+  AHEAD_STAGES - 1 steps stream into shared memory (cp.async) while a step
+  folds (an offline sm_90a build of a 32-row, 8 KB o_proj tile: the loop's
+  LDGSTS two steps ahead, 32 KB of shared memory, 34 registers).
 
 Shape-like arguments (S, N, K) are constexprs: the interpreter cannot loop to a
 runtime bound (numpy 2.4 refuses int() of its 1-element scalars), and a build
@@ -44,6 +51,7 @@ from .common import as_f32, dot_acc, rms_value
 
 VEC = tl.constexpr(8)  # bf16 values in one 16-byte load: the run a thread holds
 FMA_MAX_SP = tl.constexpr(8)  # tokens the FMA path keeps accumulators for (planner.X_FMA_MAX_TOKENS)
+AHEAD_STAGES = tl.constexpr(3)  # AHEAD's pipelined steps: two in flight while one folds
 
 
 @triton.jit
@@ -121,6 +129,42 @@ def _token_row(
 
 
 @triton.jit
+def _fold_tokens(
+    p0, p1, p2, p3, p4, p5, p6, p7,  # [ROWS, BLOCK_K / VEC] fp32: tokens 0..7's partial sums (S of them live)
+    w,  # [ROWS, BLOCK_K] fp32: the step's weight tile
+    x_ptr,  # [S, K] bf16, row stride stride_xs
+    stride_xs,
+    zero_rows,  # [ROWS] int32 zeros
+    k0,
+    S: tl.constexpr,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    norm_ptr,  # [K] bf16 (X_RMS)
+    x_scale,  # fp32 (X_RMS)
+    X_RMS: tl.constexpr,
+):
+    """The partial sums with one weight step folded in for each of the S tokens."""
+    p0 += _fold(w, x_ptr, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K, norm_ptr, x_scale, X_RMS)
+    if S > 1:
+        p1 += _fold(w, x_ptr + stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+    if S > 2:
+        p2 += _fold(w, x_ptr + 2 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+    if S > 3:
+        p3 += _fold(w, x_ptr + 3 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+    if S > 4:
+        p4 += _fold(w, x_ptr + 4 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+    if S > 5:
+        p5 += _fold(w, x_ptr + 5 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+    if S > 6:
+        p6 += _fold(w, x_ptr + 6 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+    if S > 7:
+        p7 += _fold(w, x_ptr + 7 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
 def gemv_tile(
     x_ptr,  # [S, K] bf16, row stride stride_xs, unit column stride
     stride_xs,
@@ -139,6 +183,7 @@ def gemv_tile(
     norm_ptr=None,  # [K] bf16: X_RMS's norm vector
     x_scale=1.0,  # fp32: X_RMS's scale
     X_RMS: tl.constexpr = False,
+    AHEAD: tl.constexpr = False,  # the FMA path pipelined, two steps in flight (TileChoice.dense_lookahead)
 ):
     """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring).
 
@@ -175,28 +220,26 @@ def gemv_tile(
         p5 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p6 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p7 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
-        # Double-buffered in registers: the next step's weights are in flight
-        # while this step's FMAs run (the dot path gets the same from Triton's
-        # pipeliner; this path has no shared-memory staging to pipeline).
-        w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
-        for k0 in range(0, K, BLOCK_K):
-            w = as_f32(w_next)
-            w_next = _load_w(w_ptrs, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
-            p0 += _fold(w, x_ptr, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K, norm_ptr, x_scale, X_RMS)
-            if S > 1:
-                p1 += _fold(w, x_ptr + stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
-            if S > 2:
-                p2 += _fold(w, x_ptr + 2 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
-            if S > 3:
-                p3 += _fold(w, x_ptr + 3 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
-            if S > 4:
-                p4 += _fold(w, x_ptr + 4 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
-            if S > 5:
-                p5 += _fold(w, x_ptr + 5 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
-            if S > 6:
-                p6 += _fold(w, x_ptr + 6 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
-            if S > 7:
-                p7 += _fold(w, x_ptr + 7 * stride_xs, zero_rows, k0, K, ROWS, BLOCK_K, EVEN_K)
+        if AHEAD:
+            # Triton's pipeliner: the weight (and x) tiles of the next steps
+            # stream into shared memory (cp.async) while this step folds; the
+            # same folds in the same order as below.
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=AHEAD_STAGES):
+                w = as_f32(_load_w(w_ptrs, k0, K, BLOCK_K, EVEN_K))
+                p0, p1, p2, p3, p4, p5, p6, p7 = _fold_tokens(p0, p1, p2, p3, p4, p5, p6, p7, w, x_ptr, stride_xs,
+                                                              zero_rows, k0, S, K, ROWS, BLOCK_K, EVEN_K, norm_ptr,
+                                                              x_scale, X_RMS)
+        else:
+            # The next step's load is issued once this step's registers are
+            # read, so one step is in flight while this step's FMAs run (the dot
+            # path gets more from Triton's pipeliner).
+            w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
+            for k0 in range(0, K, BLOCK_K):
+                w = as_f32(w_next)
+                w_next = _load_w(w_ptrs, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
+                p0, p1, p2, p3, p4, p5, p6, p7 = _fold_tokens(p0, p1, p2, p3, p4, p5, p6, p7, w, x_ptr, stride_xs,
+                                                              zero_rows, k0, S, K, ROWS, BLOCK_K, EVEN_K, norm_ptr,
+                                                              x_scale, X_RMS)
         acc = _token_row(tok, 0, p0, tl.zeros([SP, ROWS], dtype=tl.float32))
         if S > 1:
             acc = _token_row(tok, 1, p1, acc)

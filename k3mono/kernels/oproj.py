@@ -35,9 +35,11 @@ def oproj_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    AHEAD: tl.constexpr = False,  # gemv_tile's: two weight steps in flight on the FMA path
 ):
     """[SP, ROWS] fp32: the partial's rows task*ROWS .. (store with store_rows)."""
-    return gemv_tile(core_ptr, stride_cs, w_ptr, stride_wn, task * ROWS, S, H, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K, UPCAST)
+    return gemv_tile(core_ptr, stride_cs, w_ptr, stride_wn, task * ROWS, S, H, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
+                     UPCAST, AHEAD=AHEAD)
 
 
 @triton.jit
