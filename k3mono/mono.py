@@ -223,8 +223,8 @@ WIDE_OPROJ_MAX_TOKENS = 8
 WIDE_OPROJ_STEP_KB = 16
 """KB an o_proj task loads a step up to S = WIDE_OPROJ_MAX_TOKENS
 (TileChoice.oproj_step_kb; from there on DEFAULT_TILES' 8): every later task
-waits for o_proj, and a 32-row task at S = 1 is 12 steps of 8 KB, two in
-flight, at 2.0 TB/s over all of o_proj's 22 MB (TP8; the S = 1 trace at cfd5a34
+waits for o_proj, and a 32-row task at S = 1 is 12 steps of 8 KB, one in
+flight (planner.DENSE_LOOKAHEAD), at 2.0 TB/s over all of o_proj's 22 MB (TP8; the S = 1 trace at cfd5a34
 on an H100: done at 10.9 us). Offline sm_90a builds: S = 1 168 registers and
 24 B of stack as at 8 KB (32 KB takes 255 registers); S = 8 255 and 56 B (40 B
 at 8 KB), 48 KB of shared memory (32). Measured on two H100s

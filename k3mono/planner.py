@@ -76,7 +76,7 @@ gate/up tasks may take their own (TileChoice.shared_step_kb): at TP8, S = 1 a
 shared task is a latency-bound chain of 28 steps of 8 KB, where o_proj's are few
 (mono.SINGLE_TOKEN_SHARED_STEP_KB); so may the o_proj tasks
 (TileChoice.oproj_step_kb): every other task waits for them, and a 32-row task at
-S = 1 is 12 steps of 8 KB, two in flight."""
+S = 1 is 12 steps of 8 KB, one in flight (DENSE_LOOKAHEAD)."""
 
 DENSE_LOOKAHEAD = False
 """Whether a dense GEMV tile on the FMA path (S <= FMA_MAX_TOKENS; the mono
