@@ -41,8 +41,8 @@
 # wide_check: the wide down tasks checked and traced at their defaults; m1b_prefetch: o_proj's rows asked for
 # before M1b's core, traced and timed against the plain launch; oproj_step: o_proj's K step timed (with M1b
 # folded in and not) and traced; l2_reads: the dense tile from L2 against HBM, o_proj's step at S = 2, 4, the S = 1
-# checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1; dense_ahead: the
-# dense FMA tiles' pipelined K loop checked, timed (plain and with M1b folded in) and traced;
+# checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1; dense_stages: the
+# dense FMA tiles' pipelined K loops checked, timed (plain and with M1b folded in) and traced;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -187,14 +187,14 @@ for s in $STEPS; do
         # and 1 CTAs, beside a kernel on 66 SMs), then the MLA layer at S = 1 (fp8, 32 K: staged and both folds)
         step check_s48 210 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 4 8 --grids 132 1 --occupy-sms 66
         step mla_check_s1 240 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 32768 --kv fp8 ;;
-    dense_ahead)  # the dense FMA tiles' K loop pipelined (TileChoice.dense_lookahead, built offline, never on a GPU):
-        # checked first (T = 8 loopback and T = 1, S = 1 and 2), then timed at S = 1, 2 (and 4: one CTA a SM fits),
-        # then with M1b folded in at S = 1, and the S = 1 trace
-        step dense_ahead_check 200 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 2 --dense-lookahead 1 \
+    dense_stages)  # the dense FMA tiles' K loops pipelined (TileChoice.dense_stages; built offline, never run on a GPU):
+        # checked first at 3 stages (T = 8 loopback and T = 1, S = 1 and 2), then 1 / 2 / 3 stages timed at S = 1, 2
+        # and 4 (3 stages fit one CTA a SM there), then with M1b folded in at S = 1, and the S = 1 trace at 3
+        step dense_stages_check 200 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 2 --dense-stages 3 \
             --grids 132 1 --occupy-sms 0
-        step dense_ahead_ab 150 python3 benchmarks/defaults_ab.py --field dense_lookahead --values 0 1 --tokens 1 2 4
-        step dense_ahead_m1b 80 python3 benchmarks/defaults_ab.py --m1b --field dense_lookahead --values 0 1 --tokens 1
-        step dense_ahead_trace 80 python3 benchmarks/mono_trace.py --tokens 1 --set dense_lookahead=1 --out "$RESULTS" ;;
+        step dense_stages_ab 200 python3 benchmarks/defaults_ab.py --field dense_stages --values 1 2 3 --tokens 1 2 4
+        step dense_stages_m1b 80 python3 benchmarks/defaults_ab.py --m1b --field dense_stages --values 1 3 --tokens 1
+        step dense_stages_trace 80 python3 benchmarks/mono_trace.py --tokens 1 --set dense_stages=3 --out "$RESULTS" ;;
     m1b_rows)  # S = 1, M1b folded in: 16, 32 and 64 value rows an M1B task (TileChoice.m1b_rows)
         step mono_trace_m1b_rows 200 python3 benchmarks/mono_trace.py --tokens 1 --m1b --m1b-rows 16 32 64 \
             --out "$RESULTS" ;;

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from k3mono.config import preset
-from k3mono.planner import X_GROUP_TOKENS, TileChoice, seam_candidates_max, stage_geometry
+from k3mono.planner import DENSE_STAGES_CHOICES, X_GROUP_TOKENS, TileChoice, seam_candidates_max, stage_geometry
 from k3mono.reference import BF16
 from k3mono.reference import stages as st
 from k3mono.reference.tp import combine, core_slice, latent_slice
@@ -263,34 +263,34 @@ def _oproj_rows_kernel(
     SP: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    AHEAD: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """The o_proj task on the FMA path, its K loop plain or pipelined (AHEAD), as a grid."""
+    """The o_proj task on the FMA path, its K loop plain (STAGES 1) or pipelined, as a grid."""
     task = tl.program_id(0)
-    tile = oproj_task(task, core_ptr, K, w_ptr, K, S, N, K, SP, ROWS, BLOCK_K, False, K % BLOCK_K == 0, False, AHEAD)
+    tile = oproj_task(task, core_ptr, K, w_ptr, K, S, N, K, SP, ROWS, BLOCK_K, False, K % BLOCK_K == 0, False, STAGES)
     store_rows(out_ptr, N, tile, task * ROWS, 0, S, N, SP, ROWS)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("block_k", [32, 64, 128], ids=["10-steps", "5-steps", "3-steps-tail"])
-def test_dense_tile_two_steps_ahead_gives_the_same_bits(tokens, block_k):
-    """gemv_tile's AHEAD (TileChoice.dense_lookahead): the pipelined K loop (two
-    steps in flight) over 10, 5 and 3 steps, the last with a K tail, folds the
-    same steps in the same order as the plain loop, so the same bits; both
-    within the bf16 reference's budget."""
+def test_dense_tile_pipelined_gives_the_same_bits(tokens, block_k):
+    """gemv_tile's STAGES (TileChoice.dense_stages): the K loop pipelined over 2
+    and 3 steps, run over 10, 5 and 3 steps (the last with a K tail), folds the
+    same steps in the same order as the plain loop, so the same bits; all within
+    the bf16 reference's budget."""
     rows, n, k = 8, 20, 320  # rows past N clamped; K = 320: 10, 5 or 2.5 steps
     gen = torch.Generator().manual_seed(block_k + tokens)
     core = torch.randn(tokens, k, generator=gen).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
     got = {}
-    for ahead in (False, True):
+    for stages in DENSE_STAGES_CHOICES:
         out = poisoned((tokens, n), torch.float32)
         _oproj_rows_kernel[(-(-n // rows),)](dev(core), dev(w), out, S=tokens, N=n, K=k,
                                              SP=triton.next_power_of_2(tokens), ROWS=rows, BLOCK_K=block_k,
-                                             AHEAD=ahead, num_warps=4)
-        got[ahead] = out.cpu()
-    assert torch.isfinite(got[True]).all() and torch.equal(got[True], got[False])
-    assert_partial(got[True], st.linear(BF16, core, w), abs_scale(core, w), "o_proj rows, two steps ahead")
+                                             STAGES=stages, num_warps=4)
+        got[stages] = out.cpu()
+        assert_partial(got[stages], st.linear(BF16, core, w), abs_scale(core, w), f"o_proj rows, {stages} stages")
+    assert all(torch.equal(got[stages], got[1]) for stages in DENSE_STAGES_CHOICES)
 
 
 @pytest.mark.parametrize("case", cases() + [("small", 16, 16, "planned")], ids=case_id)

@@ -752,7 +752,7 @@ def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
             streamed = lambda t: sorted(s for task in t.tasks for s in task.streams)  # noqa: E731
             assert streamed(table) == streamed(plan(cfg, T, tokens, 132))
     assert stage_geometry(cfg, T, 1, tiles=TileChoice(oproj_step_kb=32)).oproj.block_k == 2048  # K = C/T: one step
-    for field in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
+    for field in ("dense_step_kb", "shared_step_kb", "oproj_step_kb", "dense_stages"):
         with pytest.raises(K3InputError, match=field):
             plan(cfg, T, 1, 132, MonoOptions(tiles=TileChoice(**{field: 12})))
 

@@ -28,11 +28,11 @@ the memory bandwidth:
   step's tile is read: the sm_90a build refills the same registers, so one
   step is in flight and each step waits out a memory round trip (a 32-row
   o_proj task at S = 1: 12 steps of 8 KB, 10 us from HBM and 7.9 from L2 in
-  the mono launch's traces). With AHEAD (TileChoice.dense_lookahead) the loop
-  is Triton's pipelined range: the weight and x tiles of the next
-  AHEAD_STAGES - 1 steps stream into shared memory (cp.async) while a step
-  folds (an offline sm_90a build of a 32-row, 8 KB o_proj tile: the loop's
-  LDGSTS two steps ahead, 32 KB of shared memory, 34 registers).
+  the mono launch's traces). With STAGES > 1 (TileChoice.dense_stages) the
+  loop is Triton's pipelined range: the weight and x tiles of the next
+  STAGES - 1 steps stream into shared memory (cp.async) while a step folds
+  (an offline sm_90a build of a 32-row, 8 KB o_proj tile at 3 stages: the
+  loop's LDGSTS two steps ahead, 32 KB of shared memory, 34 registers).
 
 Shape-like arguments (S, N, K) are constexprs: the interpreter cannot loop to a
 runtime bound (numpy 2.4 refuses int() of its 1-element scalars), and a build
@@ -51,7 +51,6 @@ from .common import as_f32, dot_acc, rms_value
 
 VEC = tl.constexpr(8)  # bf16 values in one 16-byte load: the run a thread holds
 FMA_MAX_SP = tl.constexpr(8)  # tokens the FMA path keeps accumulators for (planner.X_FMA_MAX_TOKENS)
-AHEAD_STAGES = tl.constexpr(3)  # AHEAD's pipelined steps: two in flight while one folds
 
 
 @triton.jit
@@ -183,7 +182,7 @@ def gemv_tile(
     norm_ptr=None,  # [K] bf16: X_RMS's norm vector
     x_scale=1.0,  # fp32: X_RMS's scale
     X_RMS: tl.constexpr = False,
-    AHEAD: tl.constexpr = False,  # the FMA path pipelined, two steps in flight (TileChoice.dense_lookahead)
+    STAGES: tl.constexpr = 1,  # the FMA path's K loop pipelined over this many steps (TileChoice.dense_stages)
 ):
     """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring).
 
@@ -220,11 +219,11 @@ def gemv_tile(
         p5 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p6 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p7 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
-        if AHEAD:
+        if STAGES > 1:
             # Triton's pipeliner: the weight (and x) tiles of the next steps
             # stream into shared memory (cp.async) while this step folds; the
             # same folds in the same order as below.
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=AHEAD_STAGES):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
                 w = as_f32(_load_w(w_ptrs, k0, K, BLOCK_K, EVEN_K))
                 p0, p1, p2, p3, p4, p5, p6, p7 = _fold_tokens(p0, p1, p2, p3, p4, p5, p6, p7, w, x_ptr, stride_xs,
                                                               zero_rows, k0, S, K, ROWS, BLOCK_K, EVEN_K, norm_ptr,

@@ -35,11 +35,11 @@ def oproj_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    AHEAD: tl.constexpr = False,  # gemv_tile's: two weight steps in flight on the FMA path
+    STAGES: tl.constexpr = 1,  # gemv_tile's: its FMA K loop pipelined over this many steps
 ):
     """[SP, ROWS] fp32: the partial's rows task*ROWS .. (store with store_rows)."""
     return gemv_tile(core_ptr, stride_cs, w_ptr, stride_wn, task * ROWS, S, H, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                     UPCAST, AHEAD=AHEAD)
+                     UPCAST, STAGES=STAGES)
 
 
 @triton.jit

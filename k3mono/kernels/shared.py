@@ -43,13 +43,13 @@ def shared_gate_up_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    AHEAD: tl.constexpr = False,  # gemv_tile's: two weight steps in flight on the FMA path
+    STAGES: tl.constexpr = 1,  # gemv_tile's: its FMA K loop pipelined over this many steps
 ):
     row0 = task * ROWS
     gate = to_bf16(gemv_tile(x_ptr, stride_xs, gate_ptr, stride_gn, row0, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                             UPCAST, AHEAD=AHEAD))
+                             UPCAST, STAGES=STAGES))
     up = to_bf16(gemv_tile(x_ptr, stride_xs, up_ptr, stride_un, row0, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                           UPCAST, AHEAD=AHEAD))
+                           UPCAST, STAGES=STAGES))
     act = to_bf16(situ(as_f32(gate), as_f32(up), BETA, LINEAR_BETA))
     store_rows(act_ptr, stride_as, act, row0, 0, S, N, SP, ROWS)
 
