@@ -43,11 +43,13 @@ def main() -> None:
                for tokens in args.tokens for value in args.values}
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
-    columns = (["plain"] if args.m1b else []) + [f"{args.field} = {v}" for v in args.values]
+    # (column, value): with --m1b the plain launch at the defaults first
+    runs = ([("plain", None)] if args.m1b else []) + [(f"{args.field} = {v}", v) for v in args.values]
+    columns = [column for column, _ in runs]
     times: dict = {}
     for round_ in range(args.rounds):
         for tokens in args.tokens:
-            for column, value in zip(columns, ([None] if args.m1b else []) + args.values):
+            for column, value in runs:
                 if value is None:
                     seconds = time_mono(cfg, args.tp, tokens, sets)
                 elif args.m1b:

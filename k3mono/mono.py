@@ -83,9 +83,8 @@ from .config import MAX_TOKENS, K3Config
 from .errors import K3InputError, check_same_device, check_unit_stride, expect_dtype, expect_tensor
 from .layout import REGION_ALIGN, layout_bytes, peer_layout, region_views, scratch_layout
 from .mxfp4 import ExpertOrderCache, expert_order, expert_order_cache
-from .planner import (COL, MONO_WARPS, OPT_EXPERT_EVICT_FIRST, OPT_PREFETCH_DOWN, OPT_PREFETCH_GATE_UP,
-                      OPT_PREFETCH_OPROJ, PEER_FLAGS, M1bShape, M1cShape, MonoOptions, TileChoice, next_pow2, plan,
-                      resident_register_cap, timing_variant)
+from .planner import (COL, MONO_WARPS, OPT_EXPERT_EVICT_FIRST, PEER_FLAGS, M1bShape, M1cShape, MonoOptions,
+                      TileChoice, next_pow2, plan, resident_register_cap, timing_variant)
 from .staged import SLOT_EXCHANGES, StagedResult, _check_shards
 from .validate import check_blocks, check_layer_inputs
 from .weights import LayerWeights, check_shard
@@ -525,8 +524,7 @@ def build(key: MonoBuild) -> Compiled:
         GU_ROWS=g.expert_gate_up.rows, GU_BG=_block_groups(g.expert_gate_up),
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
-        PREFETCH_GU=bool(key.opt & OPT_PREFETCH_GATE_UP), PREFETCH_DN=bool(key.opt & OPT_PREFETCH_DOWN),
-        PREFETCH_OP=bool(key.opt & OPT_PREFETCH_OPROJ),
+        PREFETCH_KINDS=key.options.always_prefetched(),
         DENSE_STAGES=key.tiles.dense_stages,
         EXPERT_DEQUANT=DEQUANT_F16 if key.tiles.expert_f16 else DEFAULT_DEQUANT,
         CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,

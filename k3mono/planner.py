@@ -971,6 +971,14 @@ class MonoOptions:
                 | (OPT_PREFETCH_DOWN if self.prefetch_down else 0)
                 | (OPT_PREFETCH_OPROJ if self.prefetch_oproj else 0))
 
+    def always_prefetched(self) -> int:
+        """Bit k set: tasks of kind code k ask the copy engine for their rows
+        before their other waits whatever the launch's prefetch mode
+        (prefetch_gate_up, prefetch_down, prefetch_oproj; kernels/mono.py step 2)."""
+        chosen = ((TaskKind.EXPERT_GU, self.prefetch_gate_up), (TaskKind.EXPERT_DOWN, self.prefetch_down),
+                  (TaskKind.OPROJ, self.prefetch_oproj))
+        return sum(1 << kind for kind, on in chosen if on)
+
     @classmethod
     def from_bits(cls, bits: int, ctas_per_sm: int = 1, m1b: M1bShape | None = None,
                   m1c: M1cShape | None = None, tiles: TileChoice = TileChoice(),

@@ -484,6 +484,15 @@ def test_plan_rejects_bad_values():
         MonoOptions.from_bits(1 << OPT_ALL.bit_length())
 
 
+def test_always_prefetched_kinds_are_the_chosen_prefetch_options():
+    """MonoOptions.always_prefetched: the kernel's PREFETCH_KINDS mask, a bit per
+    kind code whose rows are asked for before its other waits whatever the mode."""
+    assert MonoOptions().always_prefetched() == 0
+    assert MonoOptions(prefetch_oproj=True).always_prefetched() == 1 << TaskKind.OPROJ
+    both = MonoOptions(prefetch_gate_up=True, prefetch_down=True).always_prefetched()
+    assert both == (1 << TaskKind.EXPERT_GU) | (1 << TaskKind.EXPERT_DOWN)
+
+
 # -- simulation ------------------------------------------------------------------------------
 
 

@@ -19,8 +19,9 @@ Per task:
    the SM's copy engine to pull the task's weight rows into L2 (_prefetch_l2:
    cp.async.bulk.prefetch, one instruction a range, nothing held or waited
    for; ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the chosen experts' rows and
-   scales for EXPERT_GU / EXPERT_DOWN, always with PREFETCH_GU / PREFETCH_DN;
-   OPROJ's w_o rows always before its wait for M1B's core with PREFETCH_OP)
+   scales for EXPERT_GU / EXPERT_DOWN; the kinds in PREFETCH_KINDS always,
+   before their other waits: the experts', and OPROJ's w_o rows before its wait
+   for M1B's core)
    while the awaited flag settles; the stage function then reads them from
    L2. (PREFETCH_FINAL and PREFETCH_SHARED tasks, options of the table, do
    only that, for FINAL's and SHARED_GU's rows.)
@@ -746,9 +747,7 @@ def _mono_kernel(
     ZPARTS_F: tl.constexpr,  # z_parts (X_PARTS > 1; else 0, never read)
     CTL_I: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
-    PREFETCH_GU: tl.constexpr,  # EXPERT_GU tasks prefetch their rows whatever PREFETCH (MonoOptions.prefetch_gate_up)
-    PREFETCH_DN: tl.constexpr,  # EXPERT_DOWN tasks likewise (MonoOptions.prefetch_down)
-    PREFETCH_OP: tl.constexpr,  # OPROJ tasks likewise, before their wait for M1B's core (MonoOptions.prefetch_oproj)
+    PREFETCH_KINDS: tl.constexpr,  # bit k: kind k prefetches its rows whatever PREFETCH (MonoOptions.always_prefetched)
     DENSE_STAGES: tl.constexpr,  # the dense FMA tiles' K loops pipelined over this many steps (TileChoice.dense_stages)
     SCOPE: tl.constexpr,
     M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
@@ -810,7 +809,7 @@ def _mono_kernel(
         ok = _poll_waits(0, naddr, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE, SLEEP_NS)
 
         # (2) weights before waits
-        if (PREFETCH > 0) | PREFETCH_GU | PREFETCH_DN | PREFETCH_OP:
+        if (PREFETCH > 0) | (PREFETCH_KINDS != 0):
             blocked = (nwaits < 0).to(tl.int32)
             if PREFETCH == 2:
                 blocked = (nwaits > naddr).to(tl.int32)
@@ -818,13 +817,9 @@ def _mono_kernel(
                 for i in tl.static_range(MAX_WAITS):
                     if (i >= naddr) & (i < nwaits):
                         blocked = blocked | _would_block(i, row, flags, epoch, SCOPE)
-            # MonoOptions.prefetch_gate_up / prefetch_down / prefetch_oproj: these kinds' rows always
-            if PREFETCH_GU:
-                blocked = blocked | (kind == K_EXPERT_GU).to(tl.int32)
-            if PREFETCH_DN:
-                blocked = blocked | (kind == K_EXPERT_DOWN).to(tl.int32)
-            if PREFETCH_OP:
-                blocked = blocked | ((kind == K_OPROJ) & (nwaits > naddr)).to(tl.int32)
+            if PREFETCH_KINDS != 0:
+                always = (tl.full([], PREFETCH_KINDS, tl.int32) >> kind) & 1
+                blocked = blocked | (always & (nwaits > naddr).to(tl.int32))
             if (blocked != 0) & (ok != 0):
                 if kind == K_OPROJ:
                     _prefetch_rows(w_o_ptr, start, stop, H, C_R)
