@@ -8,7 +8,7 @@ DV 128), bf16 and fp8 caches, contexts of 1 K, 32 K and 128 K positions:
   separately; M1b folded in; M1c and M1b folded in; rank 0 of TP8 in
   loopback), outputs poisoned first: the same bits, no NaN, no timeout.
 
-    python benchmarks/gpu_check_mla.py [--tokens 1 4] [--contexts 1024 32768 131072] [--device cuda]
+    python benchmarks/gpu_check_mla.py [--tokens 1 4] [--contexts 1024 32768 131072] [--splits 0 16] [--device cuda]
 
 ``--device cpu`` runs the same under the Triton interpreter (small contexts
 only). Prints one line per case and exits non-zero on any failure.
@@ -51,11 +51,11 @@ def staged_case(tokens: int, context: int, kv_dtype: str, device) -> bool:
     return ok
 
 
-def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str) -> bool:
+def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int | None) -> bool:
     from k3mono.bench_mla import fused_splits, mla_fused_calls
     from k3mono.mono import device_sms
 
-    splits = fused_splits(tokens, device_sms(shard.o_proj.device))
+    splits = splits or fused_splits(tokens, device_sms(shard.o_proj.device))
     calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13, splits=splits)
     outs, problem = [], None
     for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
@@ -82,6 +82,9 @@ def main() -> int:
     parser.add_argument("--kv", nargs="+", default=["fp8", "bf16"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--preset", default="kimi-k3")
+    parser.add_argument("--splits", type=int, nargs="+", default=[0],
+                        help="the three ways' M1c splits (0: bench_mla.fused_splits'; 16 at S = 1 is M1b's unrolled "
+                             "combine, planner.back_stages)")
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -97,7 +100,8 @@ def main() -> int:
         for tokens in args.tokens:
             for kv_dtype in args.kv:
                 failures += not staged_case(tokens, context, kv_dtype, device)
-                failures += not fused_case(cfg, shard, tokens, context, kv_dtype)
+                for splits in args.splits:
+                    failures += not fused_case(cfg, shard, tokens, context, kv_dtype, splits or None)
                 print(f"  ({time.time() - started:.0f} s in)", flush=True)
     print(f"gpu_check_mla: {'all ok' if not failures else f'{failures} FAILED'} ({time.time() - started:.0f} s)")
     return 1 if failures else 0

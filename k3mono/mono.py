@@ -303,7 +303,7 @@ H200 (benchmarks/mono_sweep.py --shared-late --shared-rows, docs/PERF.md),
 DEFAULT_PREFETCH_FINAL = True
 """PREFETCH_FINAL tasks (MonoOptions.prefetch_final): after the expert tasks in
 the table, each asks the copy engine for one FINAL task's weight rows
-(kernels/mono.py _prefetch_l2, one instruction a range), so FINAL finds them in
+(kernels/common.py prefetch_l2, one instruction a range), so FINAL finds them in
 L2 while the MXFP4 tasks, bound by their instructions, leave HBM idle. Measured
 on the H200 (benchmarks/device_session.sh final_bulk, twice on one machine,
 docs/PERF.md), off -> on: S = 1 81.4 -> 80.3 and 81.0 -> 80.0 us, S = 2 106.2 ->

@@ -422,11 +422,19 @@ BACK_STAGES = 3
 each would wait out its load)."""
 
 FOLD_UNPIPELINED_STEPS = 2
-"""Folded into the mono launch, a combine of at most this many steps is not
-pipelined: there the pipeline's buffers push the kernel into spills (offline
-sm_90a, 16 splits at S = 1, two steps: 176 B of stack with 3 stages, 16 B with
-none); unpipelined, the short combine is unrolled, so its loads issue together
-(kernels/mla_back.py); longer combines pipeline."""
+"""A combine of at most this many steps (of BACK_PAIRS splits' rows) is not
+pipelined: folded into the mono launch, the pipeline's buffers pushed the kernel
+into spills (offline sm_90a, 16 splits at S = 1, two steps: 176 B of stack with
+3 stages, 16 B with none); unpipelined, the short combine is unrolled, its loads
+all issued before any is used (kernels/mla_back.py); longer combines pipeline."""
+
+
+def back_stages(tokens: int, splits: int) -> int:
+    """M1b's combine steps in flight for S = ``tokens`` and ``splits`` splits: 1 for
+    a short combine (FOLD_UNPIPELINED_STEPS), else BACK_STAGES. The separate M1b
+    launch and the folded M1B tasks both take it: the two combines sum lse_all in
+    different orders, so one rule keeps their bits equal."""
+    return 1 if tokens * -(-splits // BACK_PAIRS) <= FOLD_UNPIPELINED_STEPS else BACK_STAGES
 
 
 ATTN_BLOCK_H = 16
@@ -547,7 +555,7 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv:
         tokens_pad=max(DOT_MIN_TOKENS, next_pow2(tokens)),  # the w_v dot's M is the tokens
         block_dv=min(block_dv, cfg.v_head_dim),
         pairs=BACK_PAIRS,
-        stages=1 if tokens * -(-shape.splits // BACK_PAIRS) <= FOLD_UNPIPELINED_STEPS else BACK_STAGES,
+        stages=back_stages(tokens, shape.splits),
     )
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..errors import K3InputError, check_same_device, check_unit_stride, expect_tensor
 from ..planner import next_pow2
 from . import common
-from .common import as_f32, dot_acc, sigmoid, to_bf16
+from .common import as_f32, dot_acc, prefetch_l2, sigmoid, to_bf16
 from .mla_attn import (
     DOT_MIN,
     FP8,
@@ -78,9 +78,7 @@ def _total_lse(
 
 
 @triton.jit
-def _combine_step(
-    acc,  # [SP, D_LATENT] fp32
-    step,  # (token, block of PAIRS splits), token-major
+def _token_splits(
     o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
     stride_ok,
     stride_os,
@@ -89,21 +87,65 @@ def _combine_step(
     stride_lk,
     stride_ls,
     h,
-    lse_all,  # [SP] fp32
-    SP: tl.constexpr,
+    s,  # the token
+    SPLITS: tl.constexpr,
+    D_LATENT: tl.constexpr,
+):
+    """(lse, rows): token s's SPLITS lse values (fp32 scalars) and rows of o ([D_LATENT]
+    fp32), a tuple each, loaded before any is used."""
+    lat = tl.arange(0, D_LATENT)
+    lse = ()
+    rows = ()
+    for k in tl.static_range(SPLITS):
+        lse = lse + (tl.load(lse_ptr + k * stride_lk + s * stride_ls + h),)
+        rows = rows + (tl.load(o_ptr + k * stride_ok + s * stride_os + h * stride_oh + lat),)
+    return lse, rows
+
+
+@triton.jit
+def _token_combine(
+    lse,  # SPLITS fp32 scalars
+    rows,  # SPLITS [D_LATENT] fp32
+    SPLITS: tl.constexpr,
+):
+    """[D_LATENT] fp32: sum_k exp(lse[k] - lse_all) * rows[k], with lse_all the
+    log-sum-exp of lse. Every thread sums the splits itself, in split order, so
+    nothing crosses threads: no barrier holds back a load (_total_lse's
+    reductions would), and no layout sets the order."""
+    top = lse[0]
+    for k in tl.static_range(1, SPLITS):
+        top = tl.maximum(top, lse[k])  # finite: split 0 sees position 0
+    total = tl.exp(lse[0] - top)
+    for k in tl.static_range(1, SPLITS):
+        total += tl.exp(lse[k] - top)
+    lse_all = top + tl.log(total)
+    row = tl.exp(lse[0] - lse_all) * rows[0]  # empty splits (lse -inf) weigh 0
+    for k in tl.static_range(1, SPLITS):
+        row += tl.exp(lse[k] - lse_all) * rows[k]
+    return row
+
+
+@triton.jit
+def _weighed_rows(
+    s,  # the token
+    first,  # the first of PAIRS splits
+    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
+    stride_ok,
+    stride_os,
+    stride_oh,
+    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
+    stride_lk,
+    stride_ls,
+    h,
+    top,  # fp32 scalar: lse_all of token s
     SPLITS: tl.constexpr,
     D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,
 ):
-    """acc + one token's PAIRS splits' rows of o, weighed by exp(lse - lse_all), in that token's row.
+    """[D_LATENT] fp32: token s's rows of o of splits first .. first + PAIRS, weighed by exp(lse - top).
     The rows are added one by one in split order (a sum over a loaded [PAIRS, D_LATENT]
     tile would take the order of its layout, which differs between builds)."""
-    CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
-    tok = tl.arange(0, SP)
     lat = tl.arange(0, D_LATENT)
-    s = step // CHUNKS
-    first = (step % CHUNKS) * PAIRS
-    top = tl.sum(tl.where(tok == s, lse_all, 0.0), axis=0)  # lse_all[s]: one live term, exact in any order
     row = tl.zeros([D_LATENT], dtype=tl.float32)
     for i in tl.static_range(PAIRS):
         live = first + i < SPLITS
@@ -112,7 +154,18 @@ def _combine_step(
         o_row = tl.load(o_ptr + split * stride_ok + s * stride_os + h * stride_oh + lat)
         # empty splits (lse -inf) and dead ones weigh 0
         row += tl.where(live, tl.exp(lse - top), 0.0) * o_row
-    return acc + tl.where((tok == s)[:, None], row[None, :], 0.0)
+    return row
+
+
+@triton.jit
+def _in_row(
+    acc,  # [SP, D_LATENT] fp32
+    row,  # [D_LATENT] fp32
+    s,  # the token
+    SP: tl.constexpr,
+):
+    """acc + row in token s's row (a layout change through shared memory, and a barrier)."""
+    return acc + tl.where((tl.arange(0, SP) == s)[:, None], row[None, :], 0.0)
 
 
 @triton.jit
@@ -125,34 +178,32 @@ def _combined_rows(
     stride_lk,
     stride_ls,
     h,
-    lse_all,  # [SP] fp32
     S: tl.constexpr,
     SP: tl.constexpr,
     SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,  # splits a step
-    STAGES: tl.constexpr,  # steps in flight; 1: a short combine, unrolled
+    STAGES: tl.constexpr,  # steps in flight
 ):
     """[SP, D_LATENT] fp32: sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :] (0 for padded tokens).
 
     A step reads PAIRS splits' whole rows of o for one token, and the steps
     (token, block of splits) are one loop, STAGES of them in flight.
     Reading a split at a time per latent block waited out 8 x 16 loads in a row
-    (about 90 us folded into the launch on the H200). A short combine (STAGES
-    1, planner.FOLD_UNPIPELINED_STEPS) is straight-line code, so its loads
-    issue together instead of one after the other's use."""
+    (about 90 us folded into the launch on the H200)."""
     CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
+    tok = tl.arange(0, SP)
     acc = tl.zeros([SP, D_LATENT], dtype=tl.float32)
-    if STAGES == 1:
-        for step in tl.static_range(S * CHUNKS):
-            acc = _combine_step(acc, step, o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
-                                h, lse_all, SP, SPLITS, D_LATENT, PAIRS)
-    else:
-        # num_stages always given: without it the loads are not pipelined at all
-        # (plain LDG in an offline sm_90a build; cp.async with it above 1)
-        for step in tl.range(0, S * CHUNKS, num_stages=STAGES):
-            acc = _combine_step(acc, step, o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
-                                h, lse_all, SP, SPLITS, D_LATENT, PAIRS)
+    lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
+    # num_stages always given: without it the loads are not pipelined at all
+    # (plain LDG in an offline sm_90a build; cp.async with it above 1)
+    for step in tl.range(0, S * CHUNKS, num_stages=STAGES):
+        s = step // CHUNKS
+        top = tl.sum(tl.where(tok == s, lse_all, 0.0), axis=0)  # one live term: exact in any order
+        row = _weighed_rows(s, (step % CHUNKS) * PAIRS, o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk,
+                            stride_ls, h, top, SPLITS, D_LATENT, PAIRS)
+        acc = _in_row(acc, row, s, SP)
     return acc
 
 
@@ -193,15 +244,38 @@ def mla_back_task(
     live = tok < S
 
     cols = h * D_V + rows
-    # w_v and the gate do not wait on the combine: loaded first, their latency
-    # hides behind its (a folded M1b is on every o_proj task's path).
-    w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
+    w_rows = w_v_ptr + h * stride_wh + dv_block * BLOCK_DV * stride_wd
+    w_tile = w_rows + tl.arange(0, BLOCK_DV)[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :]
+    # A folded M1b is on every o_proj task's path, so its loads must not wait
+    # in a row; but the dot's operand (w_v) and the accumulator-layout copy of
+    # the gate each go through shared memory right after their load, which waits
+    # for it. So the gate is asked into L2 first and read last, and w_v is read
+    # after every load of a short combine has issued (so the three wait at once),
+    # or asked into L2 too and read after a long combine.
+    for s in tl.static_range(S):
+        gate_row = gate_ptr + s * stride_gs + h * D_V + dv_block * BLOCK_DV
+        prefetch_l2(gate_row, gate_row + BLOCK_DV)
+    if STAGES == 1:
+        acc = tl.zeros([SP, D_LATENT], dtype=tl.float32)
+        loaded = ()
+        for s in tl.static_range(S):
+            loaded = loaded + (_token_splits(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
+                                             h, s, SPLITS, D_LATENT),)
+        # ptxas would hoist w_v's loads (their shared-memory copy comes first)
+        # above the combine's and wait for them first: the barrier waits for no
+        # load, but nothing moves across it
+        tl.debug_barrier()
+        w = tl.load(w_tile)
+        for s in tl.static_range(S):
+            acc = _in_row(acc, _token_combine(loaded[s][0], loaded[s][1], SPLITS), s, SP)
+    else:
+        prefetch_l2(w_rows, w_rows + BLOCK_DV * stride_wd)
+        acc = _combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls, h, S, SP,
+                             SPLITS, SPLITS_P, D_LATENT, PAIRS, STAGES)
+        w = tl.load(w_tile)
+    y = dot_acc(to_bf16(acc), tl.trans(dequant_operand(w, w_v_scale, W_FP8)),
+                tl.zeros([SP, BLOCK_DV], dtype=tl.float32), UPCAST)
     gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
-    lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
-    o_c = to_bf16(_combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
-                                 h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS, STAGES))
-    y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([SP, BLOCK_DV], dtype=tl.float32),
-                UPCAST)
     tl.store(core_ptr + tok[:, None] * stride_cs + cols[None, :], to_bf16(y * sigmoid(gate)), mask=live[:, None])
 
 
