@@ -50,8 +50,8 @@ ATTN_TILE = dict(block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N, stages=ATTN_STAGES,
 def back_tile(o) -> dict:
     """launch_mla_back's tile arguments for split outputs o [splits, S, heads, DL],
     the planner's (the mono launch's M1bGeometry holds the same)."""
-    splits, tokens = (o.shape[0], o.shape[1]) if isinstance(o, torch.Tensor) and o.dim() == 4 else (1, 1)
-    return dict(pairs=BACK_PAIRS, stages=back_stages(tokens, splits), block_dv=BACK_BLOCK_DV)
+    splits = o.shape[0] if isinstance(o, torch.Tensor) and o.dim() == 4 else 1  # a bad o is named by the launch
+    return dict(pairs=BACK_PAIRS, stages=back_stages(splits), block_dv=BACK_BLOCK_DV)
 
 M1B_INPUTS = ("o", "lse", "w_v", "w_v_scale", "gate")
 """The keys of one rank's M1b input dict (mla_back's arguments)."""

@@ -230,23 +230,19 @@ def test_mla_attn_kernel_within_budget(case, kv_dtype):
     assert_within_budget("lse", lse[~empty], ref_lse[~empty], exact_lse[~empty], floor=LSE_FLOOR)
 
 
-COMBINES = {"unrolled": ([1], [2]), "pipelined": ([1, 2, 1], [70, 2, 37])}
-"""(query tokens, context lengths) a request: one token's combine of at most two
-steps is unrolled (planner.back_stages), four tokens' pipelined."""
-
-
-@pytest.mark.parametrize("combine", list(COMBINES))
-@pytest.mark.parametrize("splits", [4, mla.BACK_PAIRS + 3], ids=["one-step", "two-steps-ragged"])
+@pytest.mark.parametrize("splits", [4, mla.BACK_PAIRS + 3, 3 * mla.BACK_PAIRS + 1],
+                         ids=["one-step", "two-steps-ragged", "pipelined-ragged"])
 @pytest.mark.parametrize("w_v_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_mla_back_kernel_within_budget(w_v_dtype, splits, combine):
+def test_mla_back_kernel_within_budget(w_v_dtype, splits):
     """From the bf16 reference's split outputs, empty splits included (context 2 of
     every split count); past BACK_PAIRS splits a token's combine takes two steps,
-    the second one only partly live."""
-    batch = make_batch(*COMBINES[combine], w_v_dtype=w_v_dtype)
+    the second one only partly live (both unrolled), past two it is pipelined
+    (planner.back_stages)."""
+    batch = make_batch([1, 2, 1], [70, 2, 37], w_v_dtype=w_v_dtype)
     o, lse = ref_attn(batch, splits, "bf16")
     assert lse.isneginf().any()
     tile = mla.back_tile(o)
-    assert (tile["stages"] == 1) == (combine == "unrolled")
+    assert (tile["stages"] == 1) == (splits <= 2 * mla.BACK_PAIRS)
     core = torch.full(batch.gate.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
     launch_mla_back(o.to(DEVICE), lse.to(DEVICE), batch.w_v.to(DEVICE), batch.gate.to(DEVICE), core,
                     w_v_scale=batch.w_v_scale, **tile)

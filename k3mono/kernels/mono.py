@@ -42,7 +42,8 @@ Per task:
    flag on each peer (barrier + one release atomic); expert_down_push_task
    stores into the own ar2 slot, then (NP > 1) copies the rows to every peer
    before raising. mla_back_task (M1B, an MLA layer's first tasks) stores its
-   columns of the rank's core; the own CORE flag then counts them for OPROJ.
+   columns of one token's row of the rank's core; the own CORE flag then counts
+   them for OPROJ.
    mla_attn_task (M1C, before M1B) stores one (token, split, head block) of
    the split outputs into the launch's scratch (layout.scratch_layout:
    split_o, split_lse); the own SPLITS flag counts them for M1B.
@@ -728,7 +729,6 @@ def _mono_kernel(
     DENSE_STAGES: tl.constexpr,  # the dense FMA tiles' K loops pipelined over this many steps (TileChoice.dense_stages)
     SCOPE: tl.constexpr,
     M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
-    M1B_SP: tl.constexpr,  # S padded for M1b's tl.dot (at least 16)
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
@@ -843,9 +843,9 @@ def _mono_kernel(
             elif kind == K_M1B:
                 if M1B:
                     # tile = head * (D_V / M1B_DV) + value-row block (planner._m1b_tiles)
-                    mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), o_ptr, stride_ok, stride_ot,
-                                  stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale,
-                                  gate_ptr, stride_gs, core_ptr, stride_cs, S, M1B_SP, SPLITS, SPLITS_P, D_LATENT,
+                    mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), token, o_ptr, stride_ok,
+                                  stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd,
+                                  w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT,
                                   D_V, M1B_PAIRS, M1B_STAGES, M1B_DV, W_V_FP8, UPCAST)
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
