@@ -43,8 +43,8 @@
 # folded in and not) and traced; l2_reads: the dense tile from L2 against HBM, o_proj's step at S = 2, 4, the S = 1
 # checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1; dense_stages: the
 # dense FMA tiles' pipelined K loops checked, timed (plain and with M1b folded in) and traced; prefetch_mask: the
-# always-prefetched kinds' mask checked with all three on; m1b_unrolled: M1b's unrolled short combine checked, timed
-# against $K3MONO_BASE's tree and traced;
+# always-prefetched kinds' mask checked with all three on; m1b_tasks: M1b timed against $K3MONO_BASES' trees, checked and
+# traced;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -197,14 +197,17 @@ for s in $STEPS; do
         step dense_stages_ab 200 python3 benchmarks/defaults_ab.py --field dense_stages --values 1 2 3 --tokens 1 2 4
         step dense_stages_m1b 80 python3 benchmarks/defaults_ab.py --m1b --field dense_stages --values 1 3 --tokens 1
         step dense_stages_trace 80 python3 benchmarks/mono_trace.py --tokens 1 --set dense_stages=3 --out "$RESULTS" ;;
-    m1b_unrolled)  # M1b's unrolled combine (S = 1, 16 splits): M1b alone and folded against the plain launch in
-        # $K3MONO_BASE's tree and this one, then checked (staged; the three ways at 264 and 16 splits; S = 16 too), traced
-        base=${K3MONO_BASE:?the tree to time against}
-        step m1b_timing_base 130 bash -c "cd '$base' && PYTHONPATH=\$PWD python3 benchmarks/m1b_timing.py --tokens 1 16 \
-            --splits 16 264 --fold-tokens 1 16"
-        step m1b_timing_new 130 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 264 --fold-tokens 1 16
-        step m1b_check 240 python3 benchmarks/gpu_check_mla.py --tokens 1 16 --contexts 32768 --kv fp8 --splits 0 16
-        step m1b_trace 70 python3 benchmarks/mono_trace.py --tokens 1 --m1b --out "$RESULTS" ;;
+    m1b_tasks)  # M1b alone and folded against the plain launch in each of $K3MONO_BASES' trees and this one, then
+        # checked (staged; the three ways at 264 and 16 splits; S = 16 too) and the S = 1 fold traced
+        n=0
+        for tree in ${K3MONO_BASES:?the trees to time against}; do
+            n=$((n + 1))
+            step "m1b_timing_base$n" 120 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 benchmarks/m1b_timing.py \
+                --tokens 1 16 --splits 16 264 --fold-tokens 1 16"
+        done
+        step m1b_timing_new 120 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 264 --fold-tokens 1 16
+        step m1b_check 200 python3 benchmarks/gpu_check_mla.py --tokens 1 16 --contexts 32768 --kv fp8 --splits 0 16
+        step m1b_trace 60 python3 benchmarks/mono_trace.py --tokens 1 --m1b --out "$RESULTS" ;;
     prefetch_mask)  # the always-prefetched kinds' mask (MonoOptions.always_prefetched) with all three kinds on, T = 1, S = 1
         step prefetch_mask_check 90 python3 benchmarks/gpu_check.py --skip-staged --tp 1 --tokens 1 --prefetch-gate-up 1 \
             --prefetch-down 1 --prefetch-oproj 1 --grids --occupy-sms 0 ;;

@@ -143,12 +143,12 @@ def attn_call(inputs: MlaInputs, splits: int, tile: dict | None = None):
 def back_call(inputs: MlaInputs, o, lse, core=None):
     """M1b from o and lse into a fixed core (a new one, or ``core``): (the call, core)."""
     from .kernels.mla_back import launch_mla_back
-    from .mla import back_tile, core_like
+    from .mla import BACK_TILE, core_like
 
     core = core_like(inputs.gate) if core is None else core
 
     def call():
-        launch_mla_back(o, lse, inputs.w_v, inputs.gate, core, **back_tile(o))
+        launch_mla_back(o, lse, inputs.w_v, inputs.gate, core, **BACK_TILE)
 
     return call, core
 

@@ -23,8 +23,8 @@ Geometry, and why:
   (splits x heads x DL x 4 bytes = 384 KB a token) stay small next to a
   long context's cache read (576 bytes a position in fp8, 1152 in bf16).
 * ``ATTN_BLOCK_H``, ``ATTN_BLOCK_N``, ``ATTN_STAGES`` and ``ATTN_WARPS``: M1c's tile (16 heads,
-  32 positions a step, 3 steps in flight, 4 warps); ``BACK_BLOCK_DV``, ``BACK_PAIRS`` and
-  ``back_stages``: M1b's (``ATTN_TILE``, ``back_tile``); shared with the mono
+  32 positions a step, 3 steps in flight, 4 warps); ``BACK_BLOCK_DV``, ``BACK_SHORT_SPLITS``,
+  ``BACK_CHUNK``, ``BACK_PAIRS`` and ``BACK_STAGES``: M1b's (``ATTN_TILE``, ``BACK_TILE``); shared with the mono
   launch's M1C and M1B tasks, so the planner holds them (and why).
 
 ``staged_mla_layer_post`` is an MLA layer's post-attention half staged: M1b
@@ -39,7 +39,8 @@ import torch
 from .errors import K3InputError
 from .kernels.mla_attn import check_mla_attn_args, check_q, launch_mla_attn, shape_text
 from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
-from .planner import ATTN_BLOCK_H, ATTN_BLOCK_N, ATTN_STAGES, ATTN_WARPS, BACK_BLOCK_DV, BACK_PAIRS, back_stages
+from .planner import (ATTN_BLOCK_H, ATTN_BLOCK_N, ATTN_STAGES, ATTN_WARPS, BACK_BLOCK_DV, BACK_CHUNK, BACK_PAIRS,
+                      BACK_SHORT_SPLITS, BACK_STAGES)
 from .reference.mla import LATENT_DIM
 
 DEFAULT_SPLITS = 16
@@ -47,11 +48,9 @@ DEFAULT_SPLITS = 16
 ATTN_TILE = dict(block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N, stages=ATTN_STAGES, warps=ATTN_WARPS)
 """launch_mla_attn's tile arguments, the planner's (M1cGeometry holds the same)."""
 
-def back_tile(o) -> dict:
-    """launch_mla_back's tile arguments for split outputs o [splits, S, heads, DL],
-    the planner's (the mono launch's M1bGeometry holds the same)."""
-    splits = o.shape[0] if isinstance(o, torch.Tensor) and o.dim() == 4 else 1  # a bad o is named by the launch
-    return dict(pairs=BACK_PAIRS, stages=back_stages(splits), block_dv=BACK_BLOCK_DV)
+BACK_TILE = dict(short_splits=BACK_SHORT_SPLITS, chunk=BACK_CHUNK, pairs=BACK_PAIRS, stages=BACK_STAGES,
+                 block_dv=BACK_BLOCK_DV)
+"""launch_mla_back's tile arguments, the planner's (M1bGeometry holds the same)."""
 
 M1B_INPUTS = ("o", "lse", "w_v", "w_v_scale", "gate")
 """The keys of one rank's M1b input dict (mla_back's arguments)."""
@@ -92,7 +91,7 @@ def core_like(gate) -> torch.Tensor:
 def mla_back(o, lse, w_v, gate, *, w_v_scale=1.0) -> torch.Tensor:
     """M1b alone: core [S, heads * DV] bf16 from M1c's o and lse."""
     core = core_like(gate)
-    launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, **back_tile(o))
+    launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, **BACK_TILE)
     return core
 
 
@@ -107,7 +106,7 @@ def mla_decode(q, kv, qsl, seq_lens, pages, indptr, scale, w_v, gate, *, kv_scal
     check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
     launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale,
                     **ATTN_TILE)
-    launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, **back_tile(o))
+    launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, **BACK_TILE)
     return core
 
 
@@ -129,7 +128,7 @@ def rank_cores(m1b_in_per_rank) -> torch.Tensor:
         check_mla_back_args(m["o"], m["lse"], m["w_v"], m["gate"], core, m["w_v_scale"])
     for m, core in zip(m1b_in_per_rank, cores):
         launch_mla_back(m["o"], m["lse"], m["w_v"], m["gate"], core, w_v_scale=m["w_v_scale"],
-                        **back_tile(m["o"]))
+                        **BACK_TILE)
     return torch.cat(cores, dim=1)
 
 

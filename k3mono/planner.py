@@ -418,23 +418,20 @@ launch with M1b folded in at 248 B of spills in an offline sm_90a build; 8 rows,
 16 B."""
 
 BACK_STAGES = 3
-"""M1b combine steps in flight (at 264 splits and S = 1, 33 steps: unpipelined,
+"""M1b steps in flight (at 264 splits and S = 1, 33 steps of BACK_PAIRS: unpipelined,
 each would wait out its load)."""
 
-FOLD_UNPIPELINED_STEPS = 2
-"""A token's combine of at most this many steps (of BACK_PAIRS splits' rows) is not
-pipelined: folded into the mono launch, the pipeline's buffers pushed the kernel
-into spills (offline sm_90a, 16 splits at S = 1, two steps: 176 B of stack with
-3 stages, 16 B with none); unpipelined, the short combine is unrolled, its loads
-all issued before any is used (kernels/mla_back.py); longer combines pipeline."""
+BACK_SHORT_SPLITS = 16
+"""At most this many splits (the mono fold's 16 at S = 1), M1b's combine steps
+over the latent: BACK_CHUNK columns of every split's row of o and of the task's
+w_v rows a step, copied to shared memory asynchronously (kernels/mla_back.py
+_short_back). Combined at once, every row in registers, w_v's shared-memory copy
+waited for its load first and ptxas put the combine's loads behind it (offline
+sm_90a SASS). More splits step over the splits, BACK_PAIRS rows a step."""
 
-
-def back_stages(splits: int) -> int:
-    """M1b's combine steps in flight over ``splits`` splits: 1 for a short combine
-    (FOLD_UNPIPELINED_STEPS), else BACK_STAGES. The separate M1b launch and the
-    folded M1B tasks both take it: the two combines sum lse_all in different
-    orders, so one rule keeps their bits equal."""
-    return 1 if -(-splits // BACK_PAIRS) <= FOLD_UNPIPELINED_STEPS else BACK_STAGES
+BACK_CHUNK = 128
+"""Latent columns a short combine's step: 16 splits x 128 fp32 (8 KB) and 32 w_v
+rows x 128 bf16 (8 KB) of shared memory a stage."""
 
 
 ATTN_BLOCK_H = 16
@@ -525,7 +522,8 @@ class M1bGeometry:
     ``value`` = v_head_dim rows, cut into tasks of ``block_dv`` rows of one
     head for one of the ``tokens`` (a task for all S combined 16 tokens' splits
     one after another at S = 16, the fold cost 59.5 us), ``pairs`` rows of o a
-    combine step, ``stages`` combine steps in flight."""
+    combine step (``chunk`` latent columns when at most ``short_splits``),
+    ``stages`` steps in flight."""
 
     heads: int
     value: int
@@ -534,6 +532,8 @@ class M1bGeometry:
     w_v_fp8: bool
     tokens: int
     block_dv: int
+    short_splits: int
+    chunk: int
     pairs: int
     stages: int
 
@@ -555,8 +555,10 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv:
         w_v_fp8=shape.w_v_fp8,
         tokens=tokens,
         block_dv=min(block_dv, cfg.v_head_dim),
+        short_splits=BACK_SHORT_SPLITS,
+        chunk=BACK_CHUNK,
         pairs=BACK_PAIRS,
-        stages=back_stages(shape.splits),
+        stages=BACK_STAGES,
     )
 
 

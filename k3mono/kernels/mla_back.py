@@ -72,35 +72,18 @@ def _total_lse(
 
 
 @triton.jit
-def _token_splits(
-    o_ptr,  # [SPLITS, D_LATENT] fp32: the token's rows of o of one head, stride stride_ok, unit along D_LATENT
-    stride_ok,
-    lse_ptr,  # [SPLITS] fp32: the token's lse of that head, stride stride_lk
+def _split_weights(
+    lse_ptr,  # [SPLITS] fp32: the token's lse of one head, stride stride_lk
     stride_lk,
     SPLITS: tl.constexpr,
-    D_LATENT: tl.constexpr,
 ):
-    """(lse, rows): the SPLITS lse values (fp32 scalars) and rows of o ([D_LATENT]
-    fp32), a tuple each, loaded before any is used."""
-    lat = tl.arange(0, D_LATENT)
-    lse = ()
-    rows = ()
-    for k in tl.static_range(SPLITS):
-        lse = lse + (tl.load(lse_ptr + k * stride_lk),)
-        rows = rows + (tl.load(o_ptr + k * stride_ok + lat),)
-    return lse, rows
-
-
-@triton.jit
-def _token_combine(
-    lse,  # SPLITS fp32 scalars
-    rows,  # SPLITS [D_LATENT] fp32
-    SPLITS: tl.constexpr,
-):
-    """[D_LATENT] fp32: sum_k exp(lse[k] - lse_all) * rows[k], with lse_all the
+    """SPLITS fp32 scalars (a tuple): exp(lse[k] - lse_all), with lse_all the
     log-sum-exp of lse. Every thread sums the splits itself, in split order, so
     nothing crosses threads: no barrier holds back a load (_total_lse's
     reductions would), and no layout sets the order."""
+    lse = ()
+    for k in tl.static_range(SPLITS):
+        lse = lse + (tl.load(lse_ptr + k * stride_lk),)
     top = lse[0]
     for k in tl.static_range(1, SPLITS):
         top = tl.maximum(top, lse[k])  # finite: split 0 sees position 0
@@ -108,10 +91,50 @@ def _token_combine(
     for k in tl.static_range(1, SPLITS):
         total += tl.exp(lse[k] - top)
     lse_all = top + tl.log(total)
-    row = tl.exp(lse[0] - lse_all) * rows[0]  # empty splits (lse -inf) weigh 0
-    for k in tl.static_range(1, SPLITS):
-        row += tl.exp(lse[k] - lse_all) * rows[k]
-    return row
+    weights = ()
+    for k in tl.static_range(SPLITS):
+        weights = weights + (tl.exp(lse[k] - lse_all),)  # empty splits (lse -inf) weigh 0
+    return weights
+
+
+@triton.jit
+def _short_back(
+    o_ptr,  # [SPLITS, D_LATENT] fp32: the token's rows of o of one head, stride stride_ok, unit along D_LATENT
+    stride_ok,
+    lse_ptr,  # [SPLITS] fp32: the token's lse of that head, stride stride_lk
+    stride_lk,
+    w_ptr,  # [BLOCK_DV, D_LATENT] bf16 or fp8 e4m3: the task's rows of w_v, stride stride_wd, unit along D_LATENT
+    stride_wd,
+    w_v_scale,  # fp32
+    SPLITS: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    CHUNK: tl.constexpr,  # latent columns a step
+    STAGES: tl.constexpr,  # steps in flight
+    BLOCK_DV: tl.constexpr,
+    W_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[TOKEN_ROWS, BLOCK_DV] fp32, row 0 the token's y (the others 0): a short
+    combine and the dot, CHUNK latent columns a step. A step's loads (every
+    split's columns of o, w_v's) are copied to shared memory asynchronously, STAGES
+    steps in flight, so none waits for another: loaded into registers, w_v's
+    shared-memory copy (the dot's operand) waited for its load first and ptxas
+    put the combine's loads behind it. The split weights come first, so the
+    first steps' loads issue once the lse have arrived: in the loop, Triton hoists
+    them above those loads all the same (offline sm_90a builds)."""
+    weights = _split_weights(lse_ptr, stride_lk, SPLITS)
+    pad = tl.arange(0, TOKEN_ROWS)[:, None]
+    dv = tl.arange(0, BLOCK_DV)[:, None]
+    y = tl.zeros([TOKEN_ROWS, BLOCK_DV], dtype=tl.float32)
+    for step in tl.range(0, D_LATENT // CHUNK, num_stages=STAGES):
+        lat = step * CHUNK + tl.arange(0, CHUNK)
+        row = weights[0] * tl.load(o_ptr + lat)
+        for k in tl.static_range(1, SPLITS):
+            row += weights[k] * tl.load(o_ptr + k * stride_ok + lat)
+        w = tl.load(w_ptr + dv * stride_wd + lat[None, :])
+        o_c = to_bf16(tl.where(pad == 0, row[None, :], 0.0))
+        y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), y, UPCAST)
+    return y
 
 
 @triton.jit
@@ -191,45 +214,39 @@ def mla_back_task(
     SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
-    PAIRS: tl.constexpr,  # splits' rows of o a combine step
-    STAGES: tl.constexpr,  # combine steps in flight; 1: a short combine, unrolled
+    SHORT_SPLITS: tl.constexpr,  # at most this many splits: the short combine
+    CHUNK: tl.constexpr,  # latent columns a short combine's step
+    PAIRS: tl.constexpr,  # splits' rows of o a long combine's step
+    STAGES: tl.constexpr,  # steps in flight
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """core[s, h*D_V + dv_block*BLOCK_DV ...] (the module docstring's program).
 
-    A folded M1b is on every o_proj task's path, so its loads must not wait in a
-    row; but the dot's operand (w_v) and the accumulator-layout copy of the gate
-    each go through shared memory right after their load, which waits for it.
-    So the gate is asked into L2 first and read last. A short combine (STAGES 1,
-    planner.back_stages) loads every split's lse and row of o before using any
-    and sums lse_all in each thread (no barrier holds a load back: _total_lse's
-    reductions would), then w_v, so the three wait at once; a long one pipelines
-    its steps with w_v asked into L2 and read after them. The two sum lse_all in
-    different orders: planner.back_stages picks one for every launch alike."""
+    A folded M1b is on every o_proj task's path, so its loads must not wait in
+    a row. The gate's accumulator-layout copy goes through shared memory right
+    after its load, which waits for it: the gate is asked into L2 first and read
+    last. A short combine (_short_back) steps over the latent, a long one
+    (_combined_row) over the splits with w_v asked into L2 and read after them;
+    the two sum lse_all in different orders, and SPLITS alone picks one, so every
+    launch of a shape takes the same."""
     o_row = o_ptr + s * stride_os + h * stride_oh
     lse_row = lse_ptr + s * stride_ls + h
     first_col = h * D_V + dv_block * BLOCK_DV
     w_rows = w_v_ptr + h * stride_wh + dv_block * BLOCK_DV * stride_wd
-    w_tile = w_rows + tl.arange(0, BLOCK_DV)[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :]
     prefetch_l2(gate_ptr + s * stride_gs + first_col, gate_ptr + s * stride_gs + first_col + BLOCK_DV)
-    if STAGES == 1:
-        lse, rows = _token_splits(o_row, stride_ok, lse_row, stride_lk, SPLITS, D_LATENT)
-        # ptxas would hoist w_v's loads (their shared-memory copy comes first) above
-        # the combine's and wait for them first: the barrier waits for no load, but
-        # nothing moves across it
-        tl.debug_barrier()
-        w = tl.load(w_tile)
-        row = _token_combine(lse, rows, SPLITS)
+    pad = tl.arange(0, TOKEN_ROWS)[:, None]  # the token is row 0
+    if SPLITS <= SHORT_SPLITS:
+        y = _short_back(o_row, stride_ok, lse_row, stride_lk, w_rows, stride_wd, w_v_scale, SPLITS, D_LATENT, CHUNK,
+                        STAGES, BLOCK_DV, W_FP8, UPCAST)
     else:
         prefetch_l2(w_rows, w_rows + BLOCK_DV * stride_wd)
         row = _combined_row(o_row, stride_ok, lse_row, stride_lk, SPLITS, SPLITS_P, D_LATENT, PAIRS, STAGES)
-        w = tl.load(w_tile)
-    pad = tl.arange(0, TOKEN_ROWS)[:, None]  # the token is row 0
-    o_c = to_bf16(tl.where(pad == 0, row[None, :], 0.0))
-    y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([TOKEN_ROWS, BLOCK_DV], dtype=tl.float32),
-                UPCAST)
+        w = tl.load(w_rows + tl.arange(0, BLOCK_DV)[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
+        o_c = to_bf16(tl.where(pad == 0, row[None, :], 0.0))
+        y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)),
+                    tl.zeros([TOKEN_ROWS, BLOCK_DV], dtype=tl.float32), UPCAST)
     cols = first_col + tl.arange(0, BLOCK_DV)[None, :]
     gate = as_f32(tl.load(gate_ptr + (s + pad) * stride_gs + cols, mask=pad == 0, other=0.0))
     tl.store(core_ptr + (s + pad) * stride_cs + cols, to_bf16(y * sigmoid(gate)), mask=pad == 0)
@@ -256,15 +273,18 @@ def _mla_back_kernel(
     SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
-    PAIRS: tl.constexpr,  # splits' rows of o a combine step
-    STAGES: tl.constexpr,  # combine steps in flight
+    SHORT_SPLITS: tl.constexpr,  # at most this many splits: the short combine
+    CHUNK: tl.constexpr,  # latent columns a short combine's step
+    PAIRS: tl.constexpr,  # splits' rows of o a long combine's step
+    STAGES: tl.constexpr,  # steps in flight
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     mla_back_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), o_ptr, stride_ok, stride_os, stride_oh,
                   lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale, gate_ptr, stride_gs,
-                  core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT, D_V, PAIRS, STAGES, BLOCK_DV, W_FP8, UPCAST)
+                  core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT, D_V, SHORT_SPLITS, CHUNK, PAIRS, STAGES, BLOCK_DV,
+                  W_FP8, UPCAST)
 
 
 def check_w_v(w_v) -> tuple[int, int, int]:
@@ -296,11 +316,12 @@ def check_mla_back_args(o, lse, w_v, gate, core, w_v_scale) -> None:
     check_same_device(*named)
 
 
-def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, pairs, stages, block_dv) -> None:
+def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, short_splits, chunk, pairs, stages, block_dv) -> None:
     """M1b into core [S, heads * DV] bf16. o [splits, S, heads, DL] fp32 and lse
     [splits, S, heads] fp32 from M1c; w_v [heads, DV, DL] bf16 or fp8 e4m3 (w_v_scale);
-    gate [S, heads * DV] bf16. pairs: rows of o a combine step, stages: steps in flight
-    (planner.back_stages); block_dv is capped at DV."""
+    gate [S, heads * DV] bf16. At most short_splits splits take the short combine
+    (chunk latent columns a step), more the long one (pairs rows of o a step);
+    stages: steps in flight; block_dv is capped at DV."""
     check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
     splits, tokens, heads, latent = o.shape
     value = w_v.shape[1]
@@ -308,6 +329,7 @@ def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, pairs, stages, bl
     _mla_back_kernel[(heads, value // block_dv, tokens)](
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         w_v, w_v.stride(0), w_v.stride(1), float(w_v_scale), gate, gate.stride(0), core, core.stride(0),
-        SPLITS=splits, SPLITS_P=next_pow2(splits), D_LATENT=latent, D_V=value, PAIRS=pairs, STAGES=stages,
-        BLOCK_DV=block_dv, W_FP8=w_v.dtype == FP8, UPCAST=common.UPCAST_DOT,
+        SPLITS=splits, SPLITS_P=next_pow2(splits), D_LATENT=latent, D_V=value, SHORT_SPLITS=short_splits,
+        CHUNK=min(chunk, latent), PAIRS=pairs, STAGES=stages, BLOCK_DV=block_dv, W_FP8=w_v.dtype == FP8,
+        UPCAST=common.UPCAST_DOT,
     )
