@@ -202,11 +202,11 @@ for s in $STEPS; do
         n=0
         for tree in ${K3MONO_BASES:?the trees to time against}; do
             n=$((n + 1))
-            step "m1b_timing_base$n" 120 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 benchmarks/m1b_timing.py \
+            step "m1b_timing_base$n" 100 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 benchmarks/m1b_timing.py \
                 --tokens 1 16 --splits 16 264 --fold-tokens 1 16"
         done
-        step m1b_timing_new 120 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 264 --fold-tokens 1 16
-        step m1b_check 200 python3 benchmarks/gpu_check_mla.py --tokens 1 16 --contexts 32768 --kv fp8 --splits 0 16
+        step m1b_timing_new 100 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 264 --fold-tokens 1 16
+        step m1b_check 180 python3 benchmarks/gpu_check_mla.py --tokens 1 16 --contexts 32768 --kv fp8 --splits 0 16
         step m1b_trace 60 python3 benchmarks/mono_trace.py --tokens 1 --m1b --out "$RESULTS" ;;
     prefetch_mask)  # the always-prefetched kinds' mask (MonoOptions.always_prefetched) with all three kinds on, T = 1, S = 1
         step prefetch_mask_check 90 python3 benchmarks/gpu_check.py --skip-staged --tp 1 --tokens 1 --prefetch-gate-up 1 \
