@@ -197,16 +197,16 @@ for s in $STEPS; do
         step dense_stages_ab 200 python3 benchmarks/defaults_ab.py --field dense_stages --values 1 2 3 --tokens 1 2 4
         step dense_stages_m1b 80 python3 benchmarks/defaults_ab.py --m1b --field dense_stages --values 1 3 --tokens 1
         step dense_stages_trace 80 python3 benchmarks/mono_trace.py --tokens 1 --set dense_stages=3 --out "$RESULTS" ;;
-    m1b_tasks)  # M1b alone and folded against the plain launch in each of $K3MONO_BASES' trees and this one, then
-        # checked (staged; the three ways at 264 and 16 splits; S = 16 too) and the S = 1 fold traced
+    m1b_tasks)  # M1b checked (staged; the three ways at 264 and 16 splits; S = 1 and 16), then alone and folded
+        # against the plain launch here and in each of $K3MONO_BASES' trees, and the S = 1 fold traced
+        step m1b_check 150 python3 benchmarks/gpu_check_mla.py --tokens 1 16 --contexts 4096 --kv fp8 --splits 0 16
+        step m1b_timing_new 100 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 264 --fold-tokens 1 16
         n=0
         for tree in ${K3MONO_BASES:?the trees to time against}; do
             n=$((n + 1))
             step "m1b_timing_base$n" 100 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 benchmarks/m1b_timing.py \
                 --tokens 1 16 --splits 16 264 --fold-tokens 1 16"
         done
-        step m1b_timing_new 100 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 264 --fold-tokens 1 16
-        step m1b_check 180 python3 benchmarks/gpu_check_mla.py --tokens 1 16 --contexts 32768 --kv fp8 --splits 0 16
         step m1b_trace 60 python3 benchmarks/mono_trace.py --tokens 1 --m1b --out "$RESULTS" ;;
     prefetch_mask)  # the always-prefetched kinds' mask (MonoOptions.always_prefetched) with all three kinds on, T = 1, S = 1
         step prefetch_mask_check 90 python3 benchmarks/gpu_check.py --skip-staged --tp 1 --tokens 1 --prefetch-gate-up 1 \
