@@ -5,6 +5,7 @@ their sm_90a builds without a GPU (k3mono/offline.py).
         [--gate-up-rows 32] [--down-rows 32] [--prefetch 0] [--expert-mma] [--expert-f16 1] [--ctas-per-sm 3]
         [--tiles x_token_groups=1 x_group_tokens=8]
     PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
+    PYTHONPATH=. python benchmarks/resource_check.py --m1b-alone [--tokens 1 16] [--m1b-splits 16]
 
 For the mono kernel: registers, spills (and whether the task loop or a step
 loop pays them) and shared memory, hence the CTAs an
@@ -15,12 +16,15 @@ their hot loop's SASS: instructions a weight value, by opcode. With
 --expert-mma: the mono build with TileChoice.expert_mma and the expert
 kernels on tensor cores (weights in mma order). With --m1c-alone: M1c
 launched alone (fp8 and bf16 cache), its context loop's instructions a
-step, the shared-memory and tensor-core ones by opcode.
+step, the shared-memory and tensor-core ones by opcode. With --m1b-alone:
+M1b launched alone (bf16 w_v), and its SASS's memory instructions in program
+order (offline.memory_order: which loads wait behind which).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # real builds, not the interpreter
@@ -53,6 +57,15 @@ def m1c_alone(tokens_list) -> int:
     return 0
 
 
+def m1b_alone(tokens_list, splits: int) -> int:
+    for tokens in tokens_list:
+        compiled, grid = offline.m1b_build(tokens, splits)
+        order = " ".join(f"{op}x{n}" if n > 1 else op for op, n in offline.memory_order(compiled))
+        print(f"M1b S={tokens:>2} {splits} splits: grid {math.prod(grid)} programs, {usage_text(compiled)}; "
+              f"memory order: {order}", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
@@ -74,9 +87,13 @@ def main() -> int:
                              "(default: mono.default_ctas_per_sm(S))")
     parser.add_argument("--tiles", nargs="*", default=[], help="NAME=VALUE: more TileChoice fields")
     parser.add_argument("--m1c-alone", action="store_true", help="M1c launched alone instead (fp8 and bf16 cache)")
+    parser.add_argument("--m1b-alone", action="store_true", help="M1b launched alone instead, its memory order")
+    parser.add_argument("--m1b-splits", type=int, default=16, help="--m1b-alone's M1c splits")
     args = parser.parse_args()
     if args.m1c_alone:
         return m1c_alone(args.tokens)
+    if args.m1b_alone:
+        return m1b_alone(args.tokens, args.m1b_splits)
     cfg = preset("kimi-k3")
     print(f"sm_90a builds, preset kimi-k3, T={args.tp}; mono with {'loopback' if args.loopback else 'full'} peers, "
           f"on {offline.H200_SMS} SMs")

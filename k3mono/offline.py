@@ -191,6 +191,33 @@ def m1c_build(kv_dtype: str, tokens: int, splits: int, context: int):
     return build_launch(mla_attn._mla_attn_kernel, call)
 
 
+def m1b_build(tokens: int, splits: int):
+    """M1b alone as bench_mla launches it (mla.BACK_TILE; bf16 w_v): (compiled, grid)."""
+    from .bench_mla import attn_call, back_call, make_inputs
+    from .kernels import mla_back
+
+    inputs = make_inputs(tokens, MLA_CONTEXT, "bf16", torch.device("cpu"), seed=0)
+    _, o, lse = attn_call(inputs, splits)
+    call, _ = back_call(inputs, o, lse)
+    return build_launch(mla_back._mla_back_kernel, call)
+
+
+def memory_order(compiled, opcodes=("LDG", "LDGSTS", "UBLKPF", "STS", "BAR", "STG")) -> list:
+    """The SASS's global loads and stores, L2 prefetches, shared stores and
+    barriers in program order, as runs [(opcode, count)]: a load issued after a
+    shared store or a barrier waits for whatever that store or barrier waits for."""
+    runs = []
+    for line in _cuobjdump(compiled, "-sass").splitlines():
+        found = _INSTRUCTION.search(line)
+        op = found and found.group(2).split(".")[0]
+        if op in opcodes:
+            if runs and runs[-1][0] == op:
+                runs[-1] = (op, runs[-1][1] + 1)
+            else:
+                runs.append((op, 1))
+    return runs
+
+
 def expert_builds(cfg, tp: int, tokens: int, mma: bool = False, f16: bool = False):
     """(name, compiled, weight values a thread handles per step of the hot loop);
     ``mma``: the tensor-core loops (weights in k3mono.mxfp4.mma_order); ``f16``:
