@@ -43,7 +43,7 @@
 # folded in and not) and traced; l2_reads: the dense tile from L2 against HBM, o_proj's step at S = 2, 4, the S = 1
 # checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1; dense_stages: the
 # dense FMA tiles' pipelined K loops checked, timed (plain and with M1b folded in) and traced; prefetch_mask: the
-# always-prefetched kinds' mask checked with all three on; m1b_tasks: M1b timed against $K3MONO_BASES' trees, checked and
+# always-prefetched kinds' mask checked with all three on; m1b_tasks: M1b checked, timed against $K3MONO_BASES' trees and
 # traced;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
