@@ -83,8 +83,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--preset", default="kimi-k3")
     parser.add_argument("--splits", type=int, nargs="+", default=[0],
-                        help="the three ways' M1c splits (0: bench_mla.fused_splits'; 16, the fold's timings' "
-                             "(bench_mla.FOLD_SPLITS), at S = 1 takes M1b's short combine)")
+                        help="the three ways' M1c splits (0: bench_mla.fused_splits'; at most "
+                             "planner.BACK_SHORT_SPLITS take M1b's short combine)")
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")

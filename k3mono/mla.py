@@ -23,8 +23,8 @@ Geometry, and why:
   (splits x heads x DL x 4 bytes = 384 KB a token) stay small next to a
   long context's cache read (576 bytes a position in fp8, 1152 in bf16).
 * ``ATTN_BLOCK_H``, ``ATTN_BLOCK_N``, ``ATTN_STAGES`` and ``ATTN_WARPS``: M1c's tile (16 heads,
-  32 positions a step, 3 steps in flight, 4 warps); ``BACK_BLOCK_DV``, ``BACK_PAIRS`` and
-  ``BACK_STAGES``: M1b's (``ATTN_TILE``, ``BACK_TILE``); shared with the mono
+  32 positions a step, 3 steps in flight, 4 warps); ``BACK_BLOCK_DV``, ``BACK_SHORT_SPLITS``,
+  ``BACK_CHUNK``, ``BACK_PAIRS`` and ``BACK_STAGES``: M1b's (``ATTN_TILE``, ``BACK_TILE``); shared with the mono
   launch's M1C and M1B tasks, so the planner holds them (and why).
 
 ``staged_mla_layer_post`` is an MLA layer's post-attention half staged: M1b
@@ -39,7 +39,8 @@ import torch
 from .errors import K3InputError
 from .kernels.mla_attn import check_mla_attn_args, check_q, launch_mla_attn, shape_text
 from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
-from .planner import ATTN_BLOCK_H, ATTN_BLOCK_N, ATTN_STAGES, ATTN_WARPS, BACK_BLOCK_DV, BACK_PAIRS, BACK_STAGES
+from .planner import (ATTN_BLOCK_H, ATTN_BLOCK_N, ATTN_STAGES, ATTN_WARPS, BACK_BLOCK_DV, BACK_CHUNK, BACK_PAIRS,
+                      BACK_SHORT_SPLITS, BACK_STAGES)
 from .reference.mla import LATENT_DIM
 
 DEFAULT_SPLITS = 16
@@ -47,9 +48,9 @@ DEFAULT_SPLITS = 16
 ATTN_TILE = dict(block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N, stages=ATTN_STAGES, warps=ATTN_WARPS)
 """launch_mla_attn's tile arguments, the planner's (M1cGeometry holds the same)."""
 
-BACK_TILE = dict(pairs=BACK_PAIRS, stages=BACK_STAGES, block_dv=BACK_BLOCK_DV)
-"""launch_mla_back's tile arguments, the planner's (the mono launch's M1bGeometry
-does not pipeline a short combine: FOLD_UNPIPELINED_STEPS)."""
+BACK_TILE = dict(short_splits=BACK_SHORT_SPLITS, chunk=BACK_CHUNK, pairs=BACK_PAIRS, stages=BACK_STAGES,
+                 block_dv=BACK_BLOCK_DV)
+"""launch_mla_back's tile arguments, the planner's (M1bGeometry holds the same)."""
 
 M1B_INPUTS = ("o", "lse", "w_v", "w_v_scale", "gate")
 """The keys of one rank's M1b input dict (mla_back's arguments)."""

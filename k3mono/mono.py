@@ -303,7 +303,7 @@ H200 (benchmarks/mono_sweep.py --shared-late --shared-rows, docs/PERF.md),
 DEFAULT_PREFETCH_FINAL = True
 """PREFETCH_FINAL tasks (MonoOptions.prefetch_final): after the expert tasks in
 the table, each asks the copy engine for one FINAL task's weight rows
-(kernels/mono.py _prefetch_l2, one instruction a range), so FINAL finds them in
+(kernels/common.py prefetch_l2, one instruction a range), so FINAL finds them in
 L2 while the MXFP4 tasks, bound by their instructions, leave HBM idle. Measured
 on the H200 (benchmarks/device_session.sh final_bulk, twice on one machine,
 docs/PERF.md), off -> on: S = 1 81.4 -> 80.3 and 81.0 -> 80.0 us, S = 2 106.2 ->
@@ -553,11 +553,11 @@ def build(key: MonoBuild) -> Compiled:
 def _m1b_consts(m1b) -> dict:
     """The M1B constexprs; without M1B the branch is compiled out and these are 1s."""
     if m1b is None:
-        return dict(M1B=False, M1B_SP=1, SPLITS=1, SPLITS_P=1, D_LATENT=1, D_V=1, M1B_PAIRS=1, M1B_STAGES=1,
-                    M1B_DV=1, W_V_FP8=False)
-    return dict(M1B=True, M1B_SP=m1b.tokens_pad, SPLITS=m1b.splits, SPLITS_P=next_pow2(m1b.splits),
-                D_LATENT=m1b.latent, D_V=m1b.value, M1B_PAIRS=m1b.pairs, M1B_STAGES=m1b.stages,
-                M1B_DV=m1b.block_dv, W_V_FP8=m1b.w_v_fp8)
+        return dict(M1B=False, SPLITS=1, SPLITS_P=1, D_LATENT=1, D_V=1, M1B_SHORT_SPLITS=1, M1B_CHUNK=1,
+                    M1B_PAIRS=1, M1B_STAGES=1, M1B_DV=1, W_V_FP8=False)
+    return dict(M1B=True, SPLITS=m1b.splits, SPLITS_P=next_pow2(m1b.splits), D_LATENT=m1b.latent, D_V=m1b.value,
+                M1B_SHORT_SPLITS=m1b.short_splits, M1B_CHUNK=min(m1b.chunk, m1b.latent), M1B_PAIRS=m1b.pairs,
+                M1B_STAGES=m1b.stages, M1B_DV=m1b.block_dv, W_V_FP8=m1b.w_v_fp8)
 
 
 def _m1c_consts(m1c) -> dict:

@@ -340,12 +340,12 @@ mono.MONO_X_K_PARTS, measured there."""
 
 BACK_BLOCK_DV = 32
 BACK_BLOCK_DV_CHOICES = (16, 32, 64)  # tl.dot's N is at least 16
-"""Value rows of one head an M1b task (or program) produces: 4 a head, 48 tasks
-at TP8 (12 heads of 128), so M1b spreads over a third of an H200; a task's w_v
-tile is 32 rows x the whole latent (32 KB in bf16, 64 registers a thread at 4
-warps), read in one load issued before the splits are combined. The mono
-launch may take other counts (TileChoice.m1b_rows): every task recombines its
-head's splits, so fewer rows make more, shorter tasks that repeat the combine."""
+"""Value rows of one head an M1b task (or program) produces for one token: 4 a
+head, 48 tasks a token at TP8 (12 heads of 128), so at S = 1 M1b spreads over a
+third of an H200; a task's w_v tile is 32 rows x the whole latent (32 KB in
+bf16, 64 registers a thread at 4 warps). The mono launch may take other counts
+(TileChoice.m1b_rows): every task recombines its token's splits of its head,
+so fewer rows make more, shorter tasks that repeat the combine."""
 
 
 @dataclass(frozen=True)
@@ -418,15 +418,20 @@ launch with M1b folded in at 248 B of spills in an offline sm_90a build; 8 rows,
 16 B."""
 
 BACK_STAGES = 3
-"""M1b combine steps in flight (at 264 splits and S = 1, 33 steps: unpipelined,
+"""M1b steps in flight (at 264 splits and S = 1, 33 steps of BACK_PAIRS: unpipelined,
 each would wait out its load)."""
 
-FOLD_UNPIPELINED_STEPS = 2
-"""Folded into the mono launch, a combine of at most this many steps is not
-pipelined: there the pipeline's buffers push the kernel into spills (offline
-sm_90a, 16 splits at S = 1, two steps: 176 B of stack with 3 stages, 16 B with
-none); unpipelined, the short combine is unrolled, so its loads issue together
-(kernels/mla_back.py); longer combines pipeline."""
+BACK_SHORT_SPLITS = 16
+"""At most this many splits (the mono fold's 16 at S = 1), M1b's combine steps
+over the latent: BACK_CHUNK columns of every split's row of o and of the task's
+w_v rows a step, copied to shared memory asynchronously (kernels/mla_back.py
+_short_back). Combined at once, every row in registers, w_v's shared-memory copy
+waited for its load first and ptxas put the combine's loads behind it (offline
+sm_90a SASS). More splits step over the splits, BACK_PAIRS rows a step."""
+
+BACK_CHUNK = 128
+"""Latent columns a short combine's step: 16 splits x 128 fp32 (8 KB) and 32 w_v
+rows x 128 bf16 (8 KB) of shared memory a stage."""
 
 
 ATTN_BLOCK_H = 16
@@ -515,16 +520,20 @@ class M1bShape:
 class M1bGeometry:
     """M1b in a rank's launch: ``heads`` = num_attention_heads / T heads of
     ``value`` = v_head_dim rows, cut into tasks of ``block_dv`` rows of one
-    head (all S tokens; ``tokens_pad`` for tl.dot), ``pairs`` rows of o a combine
-    step, ``stages`` combine steps in flight."""
+    head for one of the ``tokens`` (a task for all S combined 16 tokens' splits
+    one after another at S = 16, the fold cost 59.5 us), ``pairs`` rows of o a
+    combine step (``chunk`` latent columns when at most ``short_splits``),
+    ``stages`` steps in flight."""
 
     heads: int
     value: int
     latent: int
     splits: int
     w_v_fp8: bool
-    tokens_pad: int
+    tokens: int
     block_dv: int
+    short_splits: int
+    chunk: int
     pairs: int
     stages: int
 
@@ -534,7 +543,7 @@ class M1bGeometry:
 
     @property
     def tasks(self) -> int:
-        return self.heads * self.blocks_per_head
+        return self.tokens * self.heads * self.blocks_per_head
 
 
 def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv: int = BACK_BLOCK_DV) -> M1bGeometry:
@@ -544,10 +553,12 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv:
         latent=shape.latent,
         splits=shape.splits,
         w_v_fp8=shape.w_v_fp8,
-        tokens_pad=max(DOT_MIN_TOKENS, next_pow2(tokens)),  # the w_v dot's M is the tokens
+        tokens=tokens,
         block_dv=min(block_dv, cfg.v_head_dim),
+        short_splits=BACK_SHORT_SPLITS,
+        chunk=BACK_CHUNK,
         pairs=BACK_PAIRS,
-        stages=1 if tokens * -(-shape.splits // BACK_PAIRS) <= FOLD_UNPIPELINED_STEPS else BACK_STAGES,
+        stages=BACK_STAGES,
     )
 
 
@@ -1295,7 +1306,7 @@ def _x_gemv_writes(table: TaskTable, task: Task, rank: int, region: str, full: i
 
 _WRITES = {
     TaskKind.M1C: lambda tb, t, r: _split_writes(tb, t),
-    TaskKind.M1B: lambda tb, t, r: [Write("core", False, _all_rows(*t.span))],
+    TaskKind.M1B: lambda tb, t, r: [Write("core", False, (t.token, slice(*t.span)))],
     TaskKind.NOP: lambda tb, t, r: [],
     TaskKind.OPROJ: lambda tb, t, r: [Write("ar1", True, (r, slice(None), slice(*t.span)))],
     TaskKind.REDUCE1: lambda tb, t, r: [Write("prefix", False, (t.token, slice(*t.span))),
@@ -1378,7 +1389,8 @@ class _Planner:
         self.down_tiles = tiles(cfg.routed_expert_hidden_size, geometry.expert_down.rows)
         self.final_tiles = tiles(H, geometry.final.rows)
         self.reduce3_tiles = tiles(H, self.reduce3_cols)
-        m1b = geometry.m1b  # M1B tiles: the rank's core columns, head-major (tile = head * blocks_per_head + block)
+        # M1B tiles of a token: the rank's core columns, head-major (tile = head * blocks_per_head + block)
+        m1b = geometry.m1b
         self.m1b_tiles = tiles(m1b.heads * m1b.value, m1b.block_dv) if m1b is not None else []
         m1c = geometry.m1c  # M1C head blocks of one (token, split): tile = split * head_blocks + block
         self.m1c_blocks = tiles(m1c.heads, m1c.block_h) if m1c is not None else []
@@ -1429,16 +1441,18 @@ class _Planner:
         if m1b is None:
             return
         row_bytes = m1b.latent * (1 if m1b.w_v_fp8 else 2)
-        # each task combines every split of its head for all tokens: one wait on every M1C task
+        # each task combines every split of its head for one token: one wait on every M1C task
         m1c = self.g.m1c
         waits = [_WaitSpec(Flag.SPLITS, 0, m1c.tasks)] if m1c is not None else []
-        for tile, lo, hi in self.m1b_tiles:
-            self.add(TaskKind.M1B, tile=tile, span=(lo, hi), streams=(("w_v", (hi - lo) * row_bytes),),
-                     waits=waits, raises=[(Flag.CORE, 0)])
+        for token in range(self.S):
+            for tile, lo, hi in self.m1b_tiles:  # token 0's tasks stream w_v, the others find it in L2
+                streams = (("w_v", (hi - lo) * row_bytes),) if token == 0 else ()
+                self.add(TaskKind.M1B, tile=tile, span=(lo, hi), token=token, streams=streams, waits=waits,
+                         raises=[(Flag.CORE, 0)])
 
     def oproj(self):
-        # o_proj reads all of the rank's core columns: one wait on every M1B task
-        waits = [_WaitSpec(Flag.CORE, 0, len(self.m1b_tiles))] if self.m1b_tiles else []
+        # o_proj reads all of the rank's core: one wait on every M1B task
+        waits = [_WaitSpec(Flag.CORE, 0, self.S * len(self.m1b_tiles))] if self.m1b_tiles else []
         for tile, lo, hi in self.oproj_tiles:
             self.add(TaskKind.OPROJ, tile=tile, span=(lo, hi), streams=self._rows(["o_proj"], lo, hi),
                      waits=waits, raises=[(Flag.AR1, lo // self.reduce1_cols)])

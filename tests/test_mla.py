@@ -230,18 +230,19 @@ def test_mla_attn_kernel_within_budget(case, kv_dtype):
     assert_within_budget("lse", lse[~empty], ref_lse[~empty], exact_lse[~empty], floor=LSE_FLOOR)
 
 
-@pytest.mark.parametrize("splits", [4, mla.BACK_PAIRS + 3], ids=["one-step", "two-steps-ragged"])
+@pytest.mark.parametrize("splits", [4, mla.BACK_PAIRS + 3, mla.BACK_SHORT_SPLITS + 1],
+                         ids=["short", "short-ragged", "long-ragged"])
 @pytest.mark.parametrize("w_v_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 def test_mla_back_kernel_within_budget(w_v_dtype, splits):
     """From the bf16 reference's split outputs, empty splits included (context 2 of
-    every split count); past BACK_PAIRS splits a token's combine takes two steps,
-    the second one only partly live."""
+    every split count); up to BACK_SHORT_SPLITS splits a token's combine steps over
+    the latent, past it over the splits, BACK_PAIRS a step (the last only partly live)."""
     batch = make_batch([1, 2, 1], [70, 2, 37], w_v_dtype=w_v_dtype)
     o, lse = ref_attn(batch, splits, "bf16")
     assert lse.isneginf().any()
     core = torch.full(batch.gate.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
     launch_mla_back(o.to(DEVICE), lse.to(DEVICE), batch.w_v.to(DEVICE), batch.gate.to(DEVICE), core,
-                    w_v_scale=batch.w_v_scale, **mla.BACK_TILE)
+                    w_v_scale=batch.w_v_scale, **dict(mla.BACK_TILE, chunk=batch.w_v.shape[-1] // 2))
     assert not core.isnan().any()
     assert_within_budget("core", core.cpu(), ref_back(batch, o, lse, "bf16"), ref_back(batch, o, lse, "oracle"))
 

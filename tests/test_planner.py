@@ -193,9 +193,11 @@ def test_m1b_tasks_come_first_and_every_oproj_waits_for_the_whole_core(name, tp,
     m1b = table.groups()[0].tasks
     heads, g = cfg.num_attention_heads // tp, table.geometry.m1b
     assert (g.heads, g.value, g.latent, g.splits) == (heads, cfg.v_head_dim, shape.latent, shape.splits)
-    # one task a head and BLOCK_DV rows of it, covering the rank's core columns in order
-    assert [t.span for t in m1b] == [(lo, hi) for _, lo, hi in tiles(heads * cfg.v_head_dim, g.block_dv)]
-    assert len(m1b) == heads * (cfg.v_head_dim // g.block_dv) == g.tasks
+    # one task a token, head and BLOCK_DV rows of it, token-major, covering the rank's core columns in order
+    blocks = tiles(heads * cfg.v_head_dim, g.block_dv)
+    assert [(t.token, t.tile, t.span) for t in m1b] == [(s, b, (lo, hi)) for s in range(tokens) for b, lo, hi in blocks]
+    assert len(m1b) == tokens * heads * (cfg.v_head_dim // g.block_dv) == g.tasks
+    assert all((t.weight_bytes > 0) == (t.token == 0) for t in m1b), "token 0's tasks stream w_v, L2 holds it after"
     assert all(not t.waits and t.raises == (Raise(Flag.CORE, 0),) for t in m1b)
     assert not Raise(Flag.CORE, 0).every_rank, "CORE is the own rank's flag"
     sources = tuple(t.ticket for t in m1b)

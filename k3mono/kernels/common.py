@@ -125,3 +125,29 @@ def situ(gate, up, BETA: tl.constexpr, LINEAR_BETA: tl.constexpr):
     g = gate.to(tl.float32)
     u = up.to(tl.float32)
     return BETA * tanh(g / BETA) * sigmoid(g) * (LINEAR_BETA * tanh(u / LINEAR_BETA))
+
+
+BULK_PREFETCH = tl.constexpr(not INTERPRET)  # prefetch_l2 is PTX: compiled builds only
+PREFETCH_ALIGN = tl.constexpr(16)  # cp.async.bulk's address and size granule (bytes)
+
+
+@triton.jit
+def prefetch_l2(
+    first_ptr,  # any element type: the range's first element
+    end_ptr,  # the same type: one past its last element
+):
+    """Have the SM's copy engine pull the bytes [first_ptr, end_ptr) into L2
+    (cp.async.bulk.prefetch, sm_90): one instruction from one thread, nothing
+    held in registers and nothing waited for, so a CTA about to wait (or about
+    to stream the range itself) keeps HBM busy at no cost of its own. The range
+    is widened to the 16-byte bounds the instruction needs; the allocator's
+    blocks are larger, so the widened range stays inside the allocation.
+    Interpreter builds skip it (no PTX there)."""
+    if BULK_PREFETCH:
+        first = first_ptr.to(tl.int64) & -PREFETCH_ALIGN
+        end = (end_ptr.to(tl.int64) + (PREFETCH_ALIGN - 1)) & -PREFETCH_ALIGN
+        tl.inline_asm_elementwise(
+            "{ .reg .pred lead; .reg .u32 tid; mov.u32 tid, %tid.x; setp.eq.u32 lead, tid, 0; "
+            "@lead cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [first, (end - first).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+

@@ -1,26 +1,25 @@
 """M1b: the MLA decode back-end: combine the splits, the absorbed V projection, the output gate.
 
-Shapes: S tokens (SP: padded to a power of two, at least 16 for tl.dot),
-HEADS this rank's heads, SPLITS (SPLITS_P padded) context splits of M1c,
-D_LATENT the latent width (a combine step reads whole rows of o: PAIRS splits'
-of one token), D_V the head's value width (v_head_dim: 128 in Kimi-K3; BLOCK_DV
-a program).
+Shapes: S tokens, HEADS this rank's heads, SPLITS (SPLITS_P padded) context
+splits of M1c, D_LATENT the latent width (a combine step reads whole rows of o:
+PAIRS splits' of one token), D_V the head's value width (v_head_dim: 128 in
+Kimi-K3; BLOCK_DV a program); the token's row is padded to TOKEN_ROWS for tl.dot.
 
 Program, or mono task (``mla_back_task``: kernels/mono.py runs it as the M1B
-tasks of an MLA layer's launch): (h, block of BLOCK_DV value rows d), for
-every token s at once:
+tasks of an MLA layer's launch): (h, block of BLOCK_DV value rows d, token s):
 
-    lse_all[s] = log(sum_k exp(lse[k, s, h]))                fp32; empty splits (-inf) add 0
-    o_c[s]     = bf16(sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :])   [D_LATENT]
-    y[s, d]    = o_c[s] . w_v[h, d, :]                        fp32 (fp8 w_v: bf16(fp32(w_v) * w_v_scale))
-    core[s, h*D_V + d] = bf16(y[s, d] * sigmoid(gate[s, h*D_V + d]))
+    lse_all = log(sum_k exp(lse[k, s, h]))                 fp32; empty splits (-inf) add 0
+    o_c     = bf16(sum_k exp(lse[k, s, h] - lse_all) * o[k, s, h, :])   [D_LATENT]
+    y[d]    = o_c . w_v[h, d, :]                           fp32 (fp8 w_v: bf16(fp32(w_v) * w_v_scale))
+    core[s, h*D_V + d] = bf16(y[d] * sigmoid(gate[s, h*D_V + d]))
 
 These are reference/mla.py's bf16-mode roundings (the sum over splits in another
-association: fp32 rounding of the same terms). All tokens share a
-program so each w_v tile is read once for the launch (w_v is the one large
-read of this stage: heads x 128 x 512 bf16, 1.5 MB a rank at TP8); the
-split outputs o are small and come from L2. D_LATENT and D_V are powers of
-two (tl.arange, tl.dot), so only the tokens need a mask.
+association: fp32 rounding of the same terms). A program a token: one for all
+S tokens combined their splits one token after another (at S = 16, 32 steps in
+a row: the fold cost 59.5 us on an H100), while the token's w_v tile (the one
+large read, heads x 128 x 512 bf16, 1.5 MB a rank at TP8) comes from HBM for
+the first token's programs and from L2 for the others. D_LATENT and D_V are
+powers of two (tl.arange, tl.dot), so nothing needs a mask.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import triton.language as tl
 from ..errors import K3InputError, check_same_device, check_unit_stride, expect_tensor
 from ..planner import next_pow2
 from . import common
-from .common import as_f32, dot_acc, sigmoid, to_bf16
+from .common import as_f32, dot_acc, prefetch_l2, sigmoid, to_bf16
 from .mla_attn import (
     DOT_MIN,
     FP8,
@@ -41,6 +40,8 @@ from .mla_attn import (
     dequant_operand,
     shape_text,
 )
+
+TOKEN_ROWS = tl.constexpr(DOT_MIN)  # a program's one token, padded to tl.dot's smallest M
 
 
 @triton.jit
@@ -57,109 +58,143 @@ def _ordered_sum(x, LEVELS: tl.constexpr):
 
 @triton.jit
 def _total_lse(
-    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
+    lse_ptr,  # [SPLITS] fp32: the token's lse of one head, stride stride_lk
     stride_lk,
-    stride_ls,
-    h,
-    S: tl.constexpr,
-    SP: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
 ):
-    """[SP] fp32: log-sum-exp over the splits of each token (0 for padded tokens)."""
+    """fp32 scalar: log-sum-exp over the splits, the sum a fixed pairwise tree (_ordered_sum)."""
     LEVELS: tl.constexpr = SPLITS_P.bit_length() - 1
     split = tl.arange(0, SPLITS_P)
-    tok = tl.arange(0, SP)
-    mask = (split < SPLITS)[:, None] & (tok < S)[None, :]
-    lse = tl.load(lse_ptr + split[:, None] * stride_lk + tok[None, :] * stride_ls + h, mask=mask, other=0.0)
-    lse = tl.where((split < SPLITS)[:, None], lse, float("-inf"))
-    top = tl.max(lse, axis=0)  # finite: every token sees position 0, in split 0; a max has no order
-    return top + tl.log(_ordered_sum(tl.exp(lse - top[None, :]), LEVELS))
+    lse = tl.load(lse_ptr + split * stride_lk, mask=split < SPLITS, other=float("-inf"))
+    top = tl.max(lse, axis=0)  # finite: split 0 sees position 0; a max has no order
+    return top + tl.log(tl.sum(_ordered_sum(tl.exp(lse - top)[:, None], LEVELS), axis=0))
 
 
 @triton.jit
-def _combine_step(
-    acc,  # [SP, D_LATENT] fp32
-    step,  # (token, block of PAIRS splits), token-major
-    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
-    stride_ok,
-    stride_os,
-    stride_oh,
-    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
+def _split_weights(
+    lse_ptr,  # [SPLITS] fp32: the token's lse of one head, stride stride_lk
     stride_lk,
-    stride_ls,
-    h,
-    lse_all,  # [SP] fp32
-    SP: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """SPLITS fp32 scalars (a tuple): exp(lse[k] - lse_all), with lse_all the
+    log-sum-exp of lse. Every thread sums the splits itself, in split order, so
+    nothing crosses threads: no barrier holds back a load (_total_lse's
+    reductions would), and no layout sets the order."""
+    lse = ()
+    for k in tl.static_range(SPLITS):
+        lse = lse + (tl.load(lse_ptr + k * stride_lk),)
+    top = lse[0]
+    for k in tl.static_range(1, SPLITS):
+        top = tl.maximum(top, lse[k])  # finite: split 0 sees position 0
+    total = tl.exp(lse[0] - top)
+    for k in tl.static_range(1, SPLITS):
+        total += tl.exp(lse[k] - top)
+    lse_all = top + tl.log(total)
+    weights = ()
+    for k in tl.static_range(SPLITS):
+        weights = weights + (tl.exp(lse[k] - lse_all),)  # empty splits (lse -inf) weigh 0
+    return weights
+
+
+@triton.jit
+def _short_back(
+    o_ptr,  # [SPLITS, D_LATENT] fp32: the token's rows of o of one head, stride stride_ok, unit along D_LATENT
+    stride_ok,
+    lse_ptr,  # [SPLITS] fp32: the token's lse of that head, stride stride_lk
+    stride_lk,
+    w_ptr,  # [BLOCK_DV, D_LATENT] bf16 or fp8 e4m3: the task's rows of w_v, stride stride_wd, unit along D_LATENT
+    stride_wd,
+    w_v_scale,  # fp32
+    SPLITS: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    CHUNK: tl.constexpr,  # latent columns a step
+    STAGES: tl.constexpr,  # steps in flight
+    BLOCK_DV: tl.constexpr,
+    W_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[TOKEN_ROWS, BLOCK_DV] fp32, row 0 the token's y (the others 0): a short
+    combine and the dot, CHUNK latent columns a step. A step's loads (every
+    split's columns of o, w_v's) are copied to shared memory asynchronously, STAGES
+    steps in flight, so none waits for another: loaded into registers, w_v's
+    shared-memory copy (the dot's operand) waited for its load first and ptxas
+    put the combine's loads behind it. The split weights come first, so the
+    first steps' loads issue once the lse have arrived: in the loop, Triton hoists
+    them above those loads all the same (offline sm_90a builds)."""
+    weights = _split_weights(lse_ptr, stride_lk, SPLITS)
+    pad = tl.arange(0, TOKEN_ROWS)[:, None]
+    dv = tl.arange(0, BLOCK_DV)[:, None]
+    y = tl.zeros([TOKEN_ROWS, BLOCK_DV], dtype=tl.float32)
+    for step in tl.range(0, D_LATENT // CHUNK, num_stages=STAGES):
+        lat = step * CHUNK + tl.arange(0, CHUNK)
+        row = weights[0] * tl.load(o_ptr + lat)
+        for k in tl.static_range(1, SPLITS):
+            row += weights[k] * tl.load(o_ptr + k * stride_ok + lat)
+        w = tl.load(w_ptr + dv * stride_wd + lat[None, :])
+        o_c = to_bf16(tl.where(pad == 0, row[None, :], 0.0))
+        y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), y, UPCAST)
+    return y
+
+
+@triton.jit
+def _weighed_rows(
+    first,  # the first of PAIRS splits
+    o_ptr,  # [SPLITS, D_LATENT] fp32: the token's rows of o of one head, stride stride_ok, unit along D_LATENT
+    stride_ok,
+    lse_ptr,  # [SPLITS] fp32: the token's lse of that head, stride stride_lk
+    stride_lk,
+    lse_all,  # fp32 scalar
     SPLITS: tl.constexpr,
     D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,
 ):
-    """acc + one token's PAIRS splits' rows of o, weighed by exp(lse - lse_all), in that token's row.
+    """[D_LATENT] fp32: the rows of o of splits first .. first + PAIRS, weighed by exp(lse - lse_all).
     The rows are added one by one in split order (a sum over a loaded [PAIRS, D_LATENT]
     tile would take the order of its layout, which differs between builds)."""
-    CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
-    tok = tl.arange(0, SP)
     lat = tl.arange(0, D_LATENT)
-    s = step // CHUNKS
-    first = (step % CHUNKS) * PAIRS
-    top = tl.sum(tl.where(tok == s, lse_all, 0.0), axis=0)  # lse_all[s]: one live term, exact in any order
     row = tl.zeros([D_LATENT], dtype=tl.float32)
     for i in tl.static_range(PAIRS):
         live = first + i < SPLITS
         split = tl.minimum(first + i, SPLITS - 1)  # a dead split reads a live address, weighed 0
-        lse = tl.load(lse_ptr + split * stride_lk + s * stride_ls + h)
-        o_row = tl.load(o_ptr + split * stride_ok + s * stride_os + h * stride_oh + lat)
+        lse = tl.load(lse_ptr + split * stride_lk)
+        o_row = tl.load(o_ptr + split * stride_ok + lat)
         # empty splits (lse -inf) and dead ones weigh 0
-        row += tl.where(live, tl.exp(lse - top), 0.0) * o_row
-    return acc + tl.where((tok == s)[:, None], row[None, :], 0.0)
+        row += tl.where(live, tl.exp(lse - lse_all), 0.0) * o_row
+    return row
 
 
 @triton.jit
-def _combined_rows(
-    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
+def _combined_row(
+    o_ptr,  # [SPLITS, D_LATENT] fp32: the token's rows of o of one head, stride stride_ok, unit along D_LATENT
     stride_ok,
-    stride_os,
-    stride_oh,
-    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
+    lse_ptr,  # [SPLITS] fp32: the token's lse of that head, stride stride_lk
     stride_lk,
-    stride_ls,
-    h,
-    lse_all,  # [SP] fp32
-    S: tl.constexpr,
-    SP: tl.constexpr,
     SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,  # splits a step
-    STAGES: tl.constexpr,  # steps in flight; 1: a short combine, unrolled
+    STAGES: tl.constexpr,  # steps in flight
 ):
-    """[SP, D_LATENT] fp32: sum_k exp(lse[k, s, h] - lse_all[s]) * o[k, s, h, :] (0 for padded tokens).
+    """[D_LATENT] fp32: sum_k exp(lse[k] - lse_all) * o[k, :], a long combine.
 
-    A step reads PAIRS splits' whole rows of o for one token, and the steps
-    (token, block of splits) are one loop, STAGES of them in flight.
+    A step reads PAIRS splits' whole rows of o, STAGES steps in flight.
     Reading a split at a time per latent block waited out 8 x 16 loads in a row
-    (about 90 us folded into the launch on the H200). A short combine (STAGES
-    1, planner.FOLD_UNPIPELINED_STEPS) is straight-line code, so its loads
-    issue together instead of one after the other's use."""
-    CHUNKS: tl.constexpr = triton.cdiv(SPLITS, PAIRS)
-    acc = tl.zeros([SP, D_LATENT], dtype=tl.float32)
-    if STAGES == 1:
-        for step in tl.static_range(S * CHUNKS):
-            acc = _combine_step(acc, step, o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
-                                h, lse_all, SP, SPLITS, D_LATENT, PAIRS)
-    else:
-        # num_stages always given: without it the loads are not pipelined at all
-        # (plain LDG in an offline sm_90a build; cp.async with it above 1)
-        for step in tl.range(0, S * CHUNKS, num_stages=STAGES):
-            acc = _combine_step(acc, step, o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
-                                h, lse_all, SP, SPLITS, D_LATENT, PAIRS)
-    return acc
+    (about 90 us folded into the launch on the H200)."""
+    lse_all = _total_lse(lse_ptr, stride_lk, SPLITS, SPLITS_P)
+    row = tl.zeros([D_LATENT], dtype=tl.float32)
+    # num_stages always given: without it the loads are not pipelined at all
+    # (plain LDG in an offline sm_90a build; cp.async with it above 1)
+    for step in tl.range(0, triton.cdiv(SPLITS, PAIRS), num_stages=STAGES):
+        row += _weighed_rows(step * PAIRS, o_ptr, stride_ok, lse_ptr, stride_lk, lse_all, SPLITS, D_LATENT, PAIRS)
+    return row
 
 
 @triton.jit
 def mla_back_task(
     h,  # this rank's head
     dv_block,  # which BLOCK_DV value rows of the head
+    s,  # the token
     o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
     stride_ok,
     stride_os,
@@ -175,34 +210,46 @@ def mla_back_task(
     stride_gs,
     core_ptr,  # [S, HEADS * D_V] bf16 out, unit column stride
     stride_cs,
-    S: tl.constexpr,
-    SP: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
-    PAIRS: tl.constexpr,  # splits' rows of o (one token) a combine step
-    STAGES: tl.constexpr,  # combine steps in flight
+    SHORT_SPLITS: tl.constexpr,  # at most this many splits: the short combine
+    CHUNK: tl.constexpr,  # latent columns a short combine's step
+    PAIRS: tl.constexpr,  # splits' rows of o a long combine's step
+    STAGES: tl.constexpr,  # steps in flight
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """core[:, h*D_V + dv_block*BLOCK_DV ...] for all S tokens (the module docstring's program)."""
-    rows = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    tok = tl.arange(0, SP)
-    live = tok < S
+    """core[s, h*D_V + dv_block*BLOCK_DV ...] (the module docstring's program).
 
-    cols = h * D_V + rows
-    # w_v and the gate do not wait on the combine: loaded first, their latency
-    # hides behind its (a folded M1b is on every o_proj task's path).
-    w = tl.load(w_v_ptr + h * stride_wh + rows[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
-    gate = as_f32(tl.load(gate_ptr + tok[:, None] * stride_gs + cols[None, :], mask=live[:, None], other=0.0))
-    lse_all = _total_lse(lse_ptr, stride_lk, stride_ls, h, S, SP, SPLITS, SPLITS_P)
-    o_c = to_bf16(_combined_rows(o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk, stride_ls,
-                                 h, lse_all, S, SP, SPLITS, D_LATENT, PAIRS, STAGES))
-    y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)), tl.zeros([SP, BLOCK_DV], dtype=tl.float32),
-                UPCAST)
-    tl.store(core_ptr + tok[:, None] * stride_cs + cols[None, :], to_bf16(y * sigmoid(gate)), mask=live[:, None])
+    A folded M1b is on every o_proj task's path, so its loads must not wait in
+    a row. The gate's accumulator-layout copy goes through shared memory right
+    after its load, which waits for it: the gate is asked into L2 first and read
+    last. A short combine (_short_back) steps over the latent, a long one
+    (_combined_row) over the splits with w_v asked into L2 and read after them;
+    the two sum lse_all in different orders, and SPLITS alone picks one, so every
+    launch of a shape takes the same."""
+    o_row = o_ptr + s * stride_os + h * stride_oh
+    lse_row = lse_ptr + s * stride_ls + h
+    first_col = h * D_V + dv_block * BLOCK_DV
+    w_rows = w_v_ptr + h * stride_wh + dv_block * BLOCK_DV * stride_wd
+    prefetch_l2(gate_ptr + s * stride_gs + first_col, gate_ptr + s * stride_gs + first_col + BLOCK_DV)
+    pad = tl.arange(0, TOKEN_ROWS)[:, None]  # the token is row 0
+    if SPLITS <= SHORT_SPLITS:
+        y = _short_back(o_row, stride_ok, lse_row, stride_lk, w_rows, stride_wd, w_v_scale, SPLITS, D_LATENT, CHUNK,
+                        STAGES, BLOCK_DV, W_FP8, UPCAST)
+    else:
+        prefetch_l2(w_rows, w_rows + BLOCK_DV * stride_wd)
+        row = _combined_row(o_row, stride_ok, lse_row, stride_lk, SPLITS, SPLITS_P, D_LATENT, PAIRS, STAGES)
+        w = tl.load(w_rows + tl.arange(0, BLOCK_DV)[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
+        o_c = to_bf16(tl.where(pad == 0, row[None, :], 0.0))
+        y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)),
+                    tl.zeros([TOKEN_ROWS, BLOCK_DV], dtype=tl.float32), UPCAST)
+    cols = first_col + tl.arange(0, BLOCK_DV)[None, :]
+    gate = as_f32(tl.load(gate_ptr + (s + pad) * stride_gs + cols, mask=pad == 0, other=0.0))
+    tl.store(core_ptr + (s + pad) * stride_cs + cols, to_bf16(y * sigmoid(gate)), mask=pad == 0)
 
 
 @triton.jit
@@ -222,21 +269,22 @@ def _mla_back_kernel(
     stride_gs,
     core_ptr,  # [S, HEADS * D_V] bf16 out
     stride_cs,
-    S: tl.constexpr,
-    SP: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
-    PAIRS: tl.constexpr,  # splits' rows of o (one token) a combine step
-    STAGES: tl.constexpr,  # combine steps in flight
+    SHORT_SPLITS: tl.constexpr,  # at most this many splits: the short combine
+    CHUNK: tl.constexpr,  # latent columns a short combine's step
+    PAIRS: tl.constexpr,  # splits' rows of o a long combine's step
+    STAGES: tl.constexpr,  # steps in flight
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    mla_back_task(tl.program_id(0), tl.program_id(1), o_ptr, stride_ok, stride_os, stride_oh, lse_ptr, stride_lk,
-                  stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs,
-                  S, SP, SPLITS, SPLITS_P, D_LATENT, D_V, PAIRS, STAGES, BLOCK_DV, W_FP8, UPCAST)
+    mla_back_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), o_ptr, stride_ok, stride_os, stride_oh,
+                  lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale, gate_ptr, stride_gs,
+                  core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT, D_V, SHORT_SPLITS, CHUNK, PAIRS, STAGES, BLOCK_DV,
+                  W_FP8, UPCAST)
 
 
 def check_w_v(w_v) -> tuple[int, int, int]:
@@ -268,19 +316,20 @@ def check_mla_back_args(o, lse, w_v, gate, core, w_v_scale) -> None:
     check_same_device(*named)
 
 
-def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, pairs, stages, block_dv) -> None:
+def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, short_splits, chunk, pairs, stages, block_dv) -> None:
     """M1b into core [S, heads * DV] bf16. o [splits, S, heads, DL] fp32 and lse
     [splits, S, heads] fp32 from M1c; w_v [heads, DV, DL] bf16 or fp8 e4m3 (w_v_scale);
-    gate [S, heads * DV] bf16. pairs: rows of o a combine step, stages: steps in flight;
-    block_dv is capped at DV."""
+    gate [S, heads * DV] bf16. At most short_splits splits take the short combine
+    (chunk latent columns a step), more the long one (pairs rows of o a step);
+    stages: steps in flight; block_dv is capped at DV."""
     check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
     splits, tokens, heads, latent = o.shape
     value = w_v.shape[1]
     block_dv = min(block_dv, value)
-    _mla_back_kernel[(heads, value // block_dv)](
+    _mla_back_kernel[(heads, value // block_dv, tokens)](
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         w_v, w_v.stride(0), w_v.stride(1), float(w_v_scale), gate, gate.stride(0), core, core.stride(0),
-        S=tokens, SP=max(DOT_MIN, next_pow2(tokens)), SPLITS=splits, SPLITS_P=next_pow2(splits),
-        D_LATENT=latent, D_V=value, PAIRS=pairs, STAGES=stages, BLOCK_DV=block_dv,
-        W_FP8=w_v.dtype == FP8, UPCAST=common.UPCAST_DOT,
+        SPLITS=splits, SPLITS_P=next_pow2(splits), D_LATENT=latent, D_V=value, SHORT_SPLITS=short_splits,
+        CHUNK=min(chunk, latent), PAIRS=pairs, STAGES=stages, BLOCK_DV=block_dv, W_FP8=w_v.dtype == FP8,
+        UPCAST=common.UPCAST_DOT,
     )

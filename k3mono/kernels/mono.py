@@ -16,7 +16,7 @@ Per task:
    addresses of EXPERT_GU / EXPERT_DOWN);
 2. weights before waits (PREFETCH): if one of the remaining waits is not met
    at its first poll (PREFETCH = 1; always with PREFETCH = 2), one thread asks
-   the SM's copy engine to pull the task's weight rows into L2 (_prefetch_l2:
+   the SM's copy engine to pull the task's weight rows into L2 (prefetch_l2:
    cp.async.bulk.prefetch, one instruction a range, nothing held or waited
    for; ROUTER, LATENT_DOWN, SHARED_GU, FINAL; the chosen experts' rows and
    scales for EXPERT_GU / EXPERT_DOWN; the kinds in PREFETCH_KINDS always,
@@ -42,7 +42,8 @@ Per task:
    flag on each peer (barrier + one release atomic); expert_down_push_task
    stores into the own ar2 slot, then (NP > 1) copies the rows to every peer
    before raising. mla_back_task (M1B, an MLA layer's first tasks) stores its
-   columns of the rank's core; the own CORE flag then counts them for OPROJ.
+   columns of one token's row of the rank's core; the own CORE flag then counts
+   them for OPROJ.
    mla_attn_task (M1C, before M1B) stores one (token, split, head block) of
    the split outputs into the launch's scratch (layout.scratch_layout:
    split_o, split_lse); the own SPLITS flag counts them for M1B.
@@ -73,7 +74,7 @@ import triton
 import triton.language as tl
 
 from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, seam_query, seam_scale
-from .common import INTERPRET, as_f32, to_bf16
+from .common import as_f32, prefetch_l2, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
 from .final import final_sum
 from .gemv import gemv_part, gemv_tile, group_window, store_rows, sum_parts
@@ -89,8 +90,6 @@ from .router import router_task
 from .shared import shared_gate_up_task
 from .sync import poll_once, raise_counter, reached, wait_counter
 
-BULK_PREFETCH = tl.constexpr(not INTERPRET)  # _prefetch_l2 is PTX: compiled builds only
-PREFETCH_ALIGN = tl.constexpr(16)  # cp.async.bulk's address and size granule (bytes)
 
 # kind codes (planner.TaskKind)
 K_OPROJ = tl.constexpr(0)
@@ -131,27 +130,6 @@ TRACE_WORDS = tl.constexpr(4)  # a traced ticket's row: SM, taken, ready, done
 
 
 @triton.jit
-def _prefetch_l2(
-    first_ptr,  # any element type: the range's first element
-    end_ptr,  # the same type: one past its last element
-):
-    """Have the SM's copy engine pull the bytes [first_ptr, end_ptr) into L2
-    (cp.async.bulk.prefetch, sm_90): one instruction from one thread, nothing
-    held in registers and nothing waited for, so a CTA about to wait (or about
-    to stream the range itself) keeps HBM busy at no cost of its own. The range
-    is widened to the 16-byte bounds the instruction needs; the allocator's
-    blocks are larger, so the widened range stays inside the allocation.
-    Interpreter builds skip it (no PTX there)."""
-    if BULK_PREFETCH:
-        first = first_ptr.to(tl.int64) & -PREFETCH_ALIGN
-        end = (end_ptr.to(tl.int64) + (PREFETCH_ALIGN - 1)) & -PREFETCH_ALIGN
-        tl.inline_asm_elementwise(
-            "{ .reg .pred lead; .reg .u32 tid; mov.u32 tid, %tid.x; setp.eq.u32 lead, tid, 0; "
-            "@lead cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [first, (end - first).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _bytes(w_ptr):
     """A packed MXFP4 weight as bytes (its int32 words in mma order, or already bytes)."""
     return w_ptr.to(tl.pointer_type(tl.uint8))
@@ -165,8 +143,8 @@ def _prefetch_rows(
     N: tl.constexpr,
     K: tl.constexpr,
 ):
-    """Rows row0 .. row1 of w into L2 (_prefetch_l2)."""
-    _prefetch_l2(w_ptr + row0 * K, w_ptr + tl.minimum(row1, N) * K)
+    """Rows row0 .. row1 of w into L2 (prefetch_l2)."""
+    prefetch_l2(w_ptr + row0 * K, w_ptr + tl.minimum(row1, N) * K)
 
 
 @triton.jit
@@ -751,11 +729,12 @@ def _mono_kernel(
     DENSE_STAGES: tl.constexpr,  # the dense FMA tiles' K loops pipelined over this many steps (TileChoice.dense_stages)
     SCOPE: tl.constexpr,
     M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
-    M1B_SP: tl.constexpr,  # S padded for M1b's tl.dot (at least 16)
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     D_LATENT: tl.constexpr,
     D_V: tl.constexpr,
+    M1B_SHORT_SPLITS: tl.constexpr,
+    M1B_CHUNK: tl.constexpr,
     M1B_PAIRS: tl.constexpr,
     M1B_STAGES: tl.constexpr,
     M1B_DV: tl.constexpr,
@@ -866,10 +845,10 @@ def _mono_kernel(
             elif kind == K_M1B:
                 if M1B:
                     # tile = head * (D_V / M1B_DV) + value-row block (planner._m1b_tiles)
-                    mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), o_ptr, stride_ok, stride_ot,
-                                  stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale,
-                                  gate_ptr, stride_gs, core_ptr, stride_cs, S, M1B_SP, SPLITS, SPLITS_P, D_LATENT,
-                                  D_V, M1B_PAIRS, M1B_STAGES, M1B_DV, W_V_FP8, UPCAST)
+                    mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), token, o_ptr, stride_ok,
+                                  stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd,
+                                  w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT,
+                                  D_V, M1B_SHORT_SPLITS, M1B_CHUNK, M1B_PAIRS, M1B_STAGES, M1B_DV, W_V_FP8, UPCAST)
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
