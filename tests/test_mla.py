@@ -22,6 +22,9 @@ online softmax's running max moves between steps.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
 
 import pytest
@@ -423,3 +426,29 @@ def test_bench_fused_mla_calls_run_the_three_ways_to_the_same_outputs():
         outs.append(runner.result(0).moe_out)
     assert torch.isfinite(outs[0].float()).all()
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
+
+
+_M1B_MEMORY_ORDER = textwrap.dedent(
+    """
+    from k3mono import mla, offline
+
+    compiled, _ = offline.m1b_build(1, mla.BACK_TILE["short_splits"])
+    order = offline.memory_order(compiled)
+    first_store = [op for op, _ in order].index("STS")
+    copies = [op for op, _ in order[:first_store]].count("LDGSTS")
+    assert copies >= mla.BACK_TILE["stages"] - 1, order
+    print("ok")
+    """
+)
+
+
+def test_m1b_short_combine_copies_its_first_steps_before_any_shared_store():
+    """The short combine's pipeline, built offline for Hopper (no GPU): the
+    cp.async copies of its first STAGES - 1 latent steps are all issued before
+    the first shared store, which is where a thread would first wait on a load.
+    Runs in a child process: the interpreter, on in this one, cannot compile."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _M1B_MEMORY_ORDER], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:] + proc.stdout[-2000:]
