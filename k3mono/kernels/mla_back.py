@@ -119,14 +119,18 @@ def _short_back(
     split's columns of o, w_v's) are copied to shared memory asynchronously, STAGES
     steps in flight, so none waits for another: loaded into registers, w_v's
     shared-memory copy (the dot's operand) waited for its load first and ptxas
-    put the combine's loads behind it. The split weights come first, so the
-    first steps' loads issue once the lse have arrived: in the loop, Triton hoists
-    them above those loads all the same (offline sm_90a builds)."""
-    weights = _split_weights(lse_ptr, stride_lk, SPLITS)
+    put the combine's loads behind it. The split weights are worked out inside the
+    loop's first step, which the pipeliner places after the copies of the first
+    STAGES - 1 steps: before the loop, or as loop-invariant code inside it (Triton
+    hoists that), their wait for the lse held those copies back (offline sm_90a
+    builds, offline.memory_order)."""
+    weights = (0.0,) * SPLITS
     pad = tl.arange(0, TOKEN_ROWS)[:, None]
     dv = tl.arange(0, BLOCK_DV)[:, None]
     y = tl.zeros([TOKEN_ROWS, BLOCK_DV], dtype=tl.float32)
     for step in tl.range(0, D_LATENT // CHUNK, num_stages=STAGES):
+        if step == 0:
+            weights = _split_weights(lse_ptr, stride_lk, SPLITS)
         lat = step * CHUNK + tl.arange(0, CHUNK)
         row = weights[0] * tl.load(o_ptr + lat)
         for k in tl.static_range(1, SPLITS):
