@@ -41,8 +41,7 @@
 # wide_check: the wide down tasks checked and traced at their defaults; m1b_prefetch: o_proj's rows asked for
 # before M1b's core, traced and timed against the plain launch; oproj_step: o_proj's K step timed (with M1b
 # folded in and not) and traced; l2_reads: the dense tile from L2 against HBM, o_proj's step at S = 2, 4, the S = 1
-# checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1; dense_stages: the
-# dense FMA tiles' pipelined K loops checked, timed (plain and with M1b folded in) and traced; prefetch_mask: the
+# checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1; prefetch_mask: the
 # always-prefetched kinds' mask checked with all three on; m1b_tasks: M1b checked, timed against $K3MONO_BASES' trees and
 # traced;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
@@ -189,22 +188,14 @@ for s in $STEPS; do
         # and 1 CTAs, beside a kernel on 66 SMs), then the MLA layer at S = 1 (fp8, 32 K: staged and both folds)
         step check_s48 210 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 4 8 --grids 132 1 --occupy-sms 66
         step mla_check_s1 240 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 32768 --kv fp8 ;;
-    dense_stages)  # the dense FMA tiles' K loops pipelined (TileChoice.dense_stages; built offline, never run on a GPU):
-        # checked first at 3 stages (T = 8 loopback and T = 1, S = 1 and 2), then 1 / 2 / 3 stages timed at S = 1, 2
-        # and 4 (3 stages fit one CTA a SM there), then with M1b folded in at S = 1, and the S = 1 trace at 3
-        step dense_stages_check 200 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 2 --dense-stages 3 \
-            --grids 132 1 --occupy-sms 0
-        step dense_stages_ab 200 python3 benchmarks/defaults_ab.py --field dense_stages --values 1 2 3 --tokens 1 2 4
-        step dense_stages_m1b 80 python3 benchmarks/defaults_ab.py --m1b --field dense_stages --values 1 3 --tokens 1
-        step dense_stages_trace 80 python3 benchmarks/mono_trace.py --tokens 1 --set dense_stages=3 --out "$RESULTS" ;;
     m1b_tasks)  # M1b checked (staged; the three ways at 264 and 16 splits; S = 1 and 16), then alone and folded
         # against the plain launch here and in each of $K3MONO_BASES' trees, and the S = 1 fold traced
-        step m1b_check 150 python3 benchmarks/gpu_check_mla.py --tokens 1 16 --contexts 4096 --kv fp8 --splits 0 16
+        step m1b_check 240 python3 benchmarks/gpu_check_mla.py --tokens 1 16 --contexts 4096 --kv fp8 --splits 0 16
         step m1b_timing_new 100 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 264 --fold-tokens 1 16
         n=0
         for tree in ${K3MONO_BASES:?the trees to time against}; do
             n=$((n + 1))
-            step "m1b_timing_base$n" 100 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 benchmarks/m1b_timing.py \
+            step "m1b_timing_base$n" 150 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 benchmarks/m1b_timing.py \
                 --tokens 1 16 --splits 16 264 --fold-tokens 1 16"
         done
         step m1b_trace 60 python3 benchmarks/mono_trace.py --tokens 1 --m1b --out "$RESULTS" ;;

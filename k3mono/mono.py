@@ -223,7 +223,7 @@ WIDE_OPROJ_STEP_KB = 16
 """KB an o_proj task loads a step up to S = WIDE_OPROJ_MAX_TOKENS
 (TileChoice.oproj_step_kb; from there on DEFAULT_TILES' 8): every later task
 waits for o_proj, and a 32-row task at S = 1 is 12 steps of 8 KB, one in
-flight (planner.DENSE_STAGES), at 2.0 TB/s over all of o_proj's 22 MB (TP8; the S = 1 trace at cfd5a34
+flight (planner.DENSE_STEP_KB), at 2.0 TB/s over all of o_proj's 22 MB (TP8; the S = 1 trace at cfd5a34
 on an H100: done at 10.9 us). Offline sm_90a builds: S = 1 168 registers and
 24 B of stack as at 8 KB (32 KB takes 255 registers); S = 8 255 and 56 B (40 B
 at 8 KB), 48 KB of shared memory (32). Measured on two H100s
@@ -525,7 +525,6 @@ def build(key: MonoBuild) -> Compiled:
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
         PREFETCH_KINDS=key.options.always_prefetched(),
-        DENSE_STAGES=key.tiles.dense_stages,
         EXPERT_DEQUANT=DEQUANT_F16 if key.tiles.expert_f16 else DEFAULT_DEQUANT,
         CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),

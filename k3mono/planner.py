@@ -76,25 +76,10 @@ gate/up tasks may take their own (TileChoice.shared_step_kb): at TP8, S = 1 a
 shared task is a latency-bound chain of 28 steps of 8 KB, where o_proj's are few
 (mono.SINGLE_TOKEN_SHARED_STEP_KB); so may the o_proj tasks
 (TileChoice.oproj_step_kb): every other task waits for them, and a 32-row task at
-S = 1 is 12 steps of 8 KB, one in flight (DENSE_STAGES)."""
-
-DENSE_STAGES = 1
-DENSE_STAGES_CHOICES = (1, 2, 3)
-"""Steps a dense GEMV tile on the FMA path (S <= FMA_MAX_TOKENS; the mono launch
-only, TileChoice.dense_stages) pipelines its K loop over: above 1 the loop is
-Triton's pipelined range (kernels/gemv.py STAGES), the next STAGES - 1 steps'
-weight and x tiles streaming into shared memory while a step folds. At 1 the
-next step's load is issued once this step's tile is read: the offline sm_90a
-build of the staged o_proj (32 rows, 8 KB steps) refills the same registers,
-its four LDG.E.EF.128 a step sit after the step's conversions, so each step
-waits out a whole memory round trip. The mono launch's S = 1 traces fit that: a
-32-row o_proj task (12 steps) ran 10.0 us from HBM and 7.9 from L2 (docs/PERF.md,
-twenty-fourth session). The same folds in the same order at any count, so the
-same bits. Offline sm_90a mono builds (TP8 loopback), 2 / 3 stages: S = 1 252 /
-254 registers, no stack, 32 / 64 KB of shared memory (168 registers and 512 B at
-1); S = 2 255 registers, 48 / 96 KB; S = 4 255 registers, 96 / 32 B of stack,
-80 / 160 KB (at 3 one CTA a SM, where two are planned). Built with no device
-time left to time it: 1 until measured."""
+S = 1 is 12 steps of 8 KB, one in flight (kernels/gemv.py: Triton's pipelined
+range for this loop, cp.async 2 or 3 steps ahead, made the mono launch slower
+on an H100, 69.6 -> 110.3 / 97.6 us at S = 1; docs/PERF.md, twenty-sixth
+session)."""
 
 
 SHARED_ROWS = FMA_TILE[0]
@@ -351,7 +336,7 @@ so fewer rows make more, shorter tasks that repeat the combine."""
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB, DENSE_STAGES, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS,
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS,
     LATENT_ROWS, SHARED_ROWS, EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS
     and X_K_PARTS)."""
 
@@ -368,7 +353,6 @@ class TileChoice:
     m1b_rows: int = BACK_BLOCK_DV
     shared_step_kb: int = DENSE_STEP_KB
     oproj_step_kb: int = DENSE_STEP_KB
-    dense_stages: int = DENSE_STAGES  # the dense FMA tiles' K loops pipelined over this many steps
     expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
     expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
     x_token_groups: bool = X_TOKEN_GROUPS  # above FMA_MAX_TOKENS: router and latent down by groups of tokens
@@ -386,8 +370,6 @@ class TileChoice:
         for name in ("gate_up_rows", "down_rows"):
             if getattr(self, name) not in EXPERT_ROWS_CHOICES:
                 raise K3InputError(f"tiles.{name}: expected one of {EXPERT_ROWS_CHOICES}, got {getattr(self, name)!r}")
-        if self.dense_stages not in DENSE_STAGES_CHOICES:
-            raise K3InputError(f"tiles.dense_stages: expected one of {DENSE_STAGES_CHOICES}, got {self.dense_stages!r}")
         if self.down_step_kb not in DOWN_STEP_KB_CHOICES:
             raise K3InputError(f"tiles.down_step_kb: expected one of {DOWN_STEP_KB_CHOICES}, got {self.down_step_kb!r}")
         if self.router_rows not in ROUTER_ROWS_CHOICES:

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from k3mono.config import preset
-from k3mono.planner import DENSE_STAGES_CHOICES, X_GROUP_TOKENS, TileChoice, seam_candidates_max, stage_geometry
+from k3mono.planner import X_GROUP_TOKENS, TileChoice, seam_candidates_max, stage_geometry
 from k3mono.reference import BF16
 from k3mono.reference import stages as st
 from k3mono.reference.tp import combine, core_slice, latent_slice
@@ -55,7 +55,7 @@ from k3mono.kernels.common import as_f32, to_bf16
 from k3mono.kernels.final import launch_final_partial
 from k3mono.kernels.latent_down import launch_latent_down
 from k3mono.kernels.latent_norm import launch_latent_parts
-from k3mono.kernels.oproj import launch_oproj, oproj_task
+from k3mono.kernels.oproj import launch_oproj
 from k3mono.kernels.reduce import launch_final_reduce, launch_reduce_prefix
 from k3mono.kernels.gemv import even_k, store_rows
 from k3mono.kernels.router import launch_router, router_task
@@ -250,47 +250,6 @@ def test_oproj(case):
     for t in range(tp):
         if t != rank:
             assert_nan(ar1[t], f"ar1[{t}]")
-
-
-@triton.jit
-def _oproj_rows_kernel(
-    core_ptr,  # [S, K] bf16
-    w_ptr,  # [N, K] bf16
-    out_ptr,  # [S, N] fp32 out
-    S: tl.constexpr,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    SP: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """The o_proj task on the FMA path, its K loop plain (STAGES 1) or pipelined, as a grid."""
-    task = tl.program_id(0)
-    tile = oproj_task(task, core_ptr, K, w_ptr, K, S, N, K, SP, ROWS, BLOCK_K, False, K % BLOCK_K == 0, False, STAGES)
-    store_rows(out_ptr, N, tile, task * ROWS, 0, S, N, SP, ROWS)
-
-
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("block_k", [32, 64, 128], ids=["10-steps", "5-steps", "3-steps-tail"])
-def test_dense_tile_pipelined_gives_the_same_bits(tokens, block_k):
-    """gemv_tile's STAGES (TileChoice.dense_stages): the K loop pipelined over 2
-    and 3 steps, run over 10, 5 and 3 steps (the last with a K tail), folds the
-    same steps in the same order as the plain loop, so the same bits; all within
-    the bf16 reference's budget."""
-    rows, n, k = 8, 20, 320  # rows past N clamped; K = 320: 10, 5 or 2.5 steps
-    gen = torch.Generator().manual_seed(block_k + tokens)
-    core = torch.randn(tokens, k, generator=gen).to(torch.bfloat16)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
-    got = {}
-    for stages in DENSE_STAGES_CHOICES:
-        out = poisoned((tokens, n), torch.float32)
-        _oproj_rows_kernel[(-(-n // rows),)](dev(core), dev(w), out, S=tokens, N=n, K=k,
-                                             SP=triton.next_power_of_2(tokens), ROWS=rows, BLOCK_K=block_k,
-                                             STAGES=stages, num_warps=4)
-        got[stages] = out.cpu()
-        assert_partial(got[stages], st.linear(BF16, core, w), abs_scale(core, w), f"o_proj rows, {stages} stages")
-    assert all(torch.equal(got[stages], got[1]) for stages in DENSE_STAGES_CHOICES)
 
 
 @pytest.mark.parametrize("case", cases() + [("small", 16, 16, "planned")], ids=case_id)

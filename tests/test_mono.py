@@ -307,24 +307,6 @@ def test_the_launch_options_change_no_bits():
         assert same_bits(plain, eager(**inputs))
 
 
-def test_dense_tiles_pipelined_change_no_bits():
-    """TileChoice.dense_stages 3: every dense task on the FMA path (o_proj, the
-    router, the latent down, the shared gate/up, FINAL) runs its K loop pipelined
-    over 3 steps; the same sums in the same order, so the launch's bits. The small
-    preset with 32-row o_proj and FINAL tasks, so their loops take several steps
-    (o_proj 4, FINAL's shared term 8) and a one-step K tail (FINAL's latent term);
-    S = 1 (tests/test_kernels_dense.py runs the tile at 2 stages, S = 3 and odd step counts)."""
-    cfg, layer, tokens = preset("small"), 1, 1
-    shards = shard_all(random_layer(cfg, layer), cfg, 1)
-    inputs = random_inputs(cfg, tokens, layer, seed=24)
-    tiles = TileChoice(oproj_rows=32, final_rows=32)
-    plain = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=tiles))
-    pipelined = MonoRunner(cfg, shards, tokens, layer, options=MonoOptions(tiles=replace(tiles, dense_stages=3)))
-    geometry = pipelined.compiled.table.geometry
-    assert not geometry.use_dot and cfg.core_width // geometry.oproj.block_k == 4
-    assert same_bits(plain(**inputs), pipelined(**inputs))
-
-
 def test_final_split_in_loopback_changes_no_bits():
     """MonoOptions.final_split at T = 2 (loopback) and S = 3: FINAL's shared
     down-projection before its own wait for the latent, the same sums."""

@@ -21,7 +21,6 @@ from k3mono.layout import peer_layout, scratch_layout
 from k3mono.mono import default_options
 from k3mono.planner import (
     COL,
-    DENSE_STAGES_CHOICES,
     MAX_WAITS,
     OPT_ALL,
     OPT_FINAL_SPLIT,
@@ -767,19 +766,6 @@ def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
     for field in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
         with pytest.raises(K3InputError, match=field):
             plan(cfg, T, 1, 132, MonoOptions(tiles=TileChoice(**{field: 12})))
-
-
-def test_dense_stages_change_no_geometry_and_take_one_to_three():
-    """TileChoice.dense_stages pipelines the dense FMA loops over the same tiles:
-    the geometry and the table are the default's; a count outside 1..3 is refused."""
-    cfg = preset("kimi-k3")
-    for stages in DENSE_STAGES_CHOICES:
-        tiles = TileChoice(dense_stages=stages)
-        assert stage_geometry(cfg, 8, 1, tiles=tiles) == stage_geometry(cfg, 8, 1)
-        assert plan(cfg, 8, 1, 132, MonoOptions(tiles=tiles)).tasks == plan(cfg, 8, 1, 132).tasks
-    for bad in (0, 4):
-        with pytest.raises(K3InputError, match="dense_stages"):
-            plan(cfg, 8, 1, 132, MonoOptions(tiles=TileChoice(dense_stages=bad)))
 
 
 @pytest.mark.parametrize("kind, field", [(TaskKind.EXPERT_GU, "gate_up_rows"), (TaskKind.EXPERT_DOWN, "down_rows")])

@@ -65,14 +65,13 @@ def final_task(
     EVEN_K_LATENT: tl.constexpr,
     EVEN_K_SHARED: tl.constexpr,
     UPCAST: tl.constexpr,
-    STAGES: tl.constexpr = 1,  # gemv_tile's: its FMA K loop pipelined over this many steps
 ):
     """[SP, ROWS] fp32: rows task*ROWS .. of the partial."""
     row0 = task * ROWS
     routed = gemv_tile(latent_ptr, stride_ls, up_ptr, stride_un, row0, S, H, K_LATENT, SP, ROWS, BLOCK_K, USE_DOT,
-                       EVEN_K_LATENT, UPCAST, STAGES=STAGES)
+                       EVEN_K_LATENT, UPCAST)
     shared = gemv_tile(act_ptr, stride_as, down_ptr, stride_dn, row0, S, H, K_SHARED, SP, ROWS, BLOCK_K, USE_DOT,
-                       EVEN_K_SHARED, UPCAST, STAGES=STAGES)
+                       EVEN_K_SHARED, UPCAST)
     return final_sum(routed, latent_scale(sq_ptr, eps, S, SP, L, PL), shared)
 
 

@@ -28,11 +28,10 @@ the memory bandwidth:
   step's tile is read: the sm_90a build refills the same registers, so one
   step is in flight and each step waits out a memory round trip (a 32-row
   o_proj task at S = 1: 12 steps of 8 KB, 10 us from HBM and 7.9 from L2 in
-  the mono launch's traces). With STAGES > 1 (TileChoice.dense_stages) the
-  loop is Triton's pipelined range: the weight and x tiles of the next
-  STAGES - 1 steps stream into shared memory (cp.async) while a step folds
-  (an offline sm_90a build of a 32-row, 8 KB o_proj tile at 3 stages: the
-  loop's LDGSTS two steps ahead, 32 KB of shared memory, 34 registers).
+  the mono launch's traces). Triton's pipelined range instead (cp.async
+  into shared memory, 2 or 3 stages) made the mono launch slower on an H100:
+  69.6 -> 110.3 / 97.6 us at S = 1, 130 -> 214 / 252 at S = 4 (docs/PERF.md,
+  twenty-sixth session).
 
 Shape-like arguments (S, N, K) are constexprs: the interpreter cannot loop to a
 runtime bound (numpy 2.4 refuses int() of its 1-element scalars), and a build
@@ -182,7 +181,6 @@ def gemv_tile(
     norm_ptr=None,  # [K] bf16: X_RMS's norm vector
     x_scale=1.0,  # fp32: X_RMS's scale
     X_RMS: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,  # the FMA path's K loop pipelined over this many steps (TileChoice.dense_stages)
 ):
     """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring).
 
@@ -219,26 +217,16 @@ def gemv_tile(
         p5 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p6 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
         p7 = tl.zeros([ROWS, BLOCK_K // VEC], dtype=tl.float32)
-        if STAGES > 1:
-            # Triton's pipeliner: the weight (and x) tiles of the next steps
-            # stream into shared memory (cp.async) while this step folds; the
-            # same folds in the same order as below.
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-                w = as_f32(_load_w(w_ptrs, k0, K, BLOCK_K, EVEN_K))
-                p0, p1, p2, p3, p4, p5, p6, p7 = _fold_tokens(p0, p1, p2, p3, p4, p5, p6, p7, w, x_ptr, stride_xs,
-                                                              zero_rows, k0, S, K, ROWS, BLOCK_K, EVEN_K, norm_ptr,
-                                                              x_scale, X_RMS)
-        else:
-            # The next step's load is issued once this step's registers are
-            # read, so one step is in flight while this step's FMAs run (the dot
-            # path gets more from Triton's pipeliner).
-            w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
-            for k0 in range(0, K, BLOCK_K):
-                w = as_f32(w_next)
-                w_next = _load_w(w_ptrs, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
-                p0, p1, p2, p3, p4, p5, p6, p7 = _fold_tokens(p0, p1, p2, p3, p4, p5, p6, p7, w, x_ptr, stride_xs,
-                                                              zero_rows, k0, S, K, ROWS, BLOCK_K, EVEN_K, norm_ptr,
-                                                              x_scale, X_RMS)
+        # The next step's load is issued once this step's registers are read,
+        # so one step is in flight while this step's FMAs run (the dot path
+        # gets more from Triton's pipeliner).
+        w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
+        for k0 in range(0, K, BLOCK_K):
+            w = as_f32(w_next)
+            w_next = _load_w(w_ptrs, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
+            p0, p1, p2, p3, p4, p5, p6, p7 = _fold_tokens(p0, p1, p2, p3, p4, p5, p6, p7, w, x_ptr, stride_xs,
+                                                          zero_rows, k0, S, K, ROWS, BLOCK_K, EVEN_K, norm_ptr,
+                                                          x_scale, X_RMS)
         acc = _token_row(tok, 0, p0, tl.zeros([SP, ROWS], dtype=tl.float32))
         if S > 1:
             acc = _token_row(tok, 1, p1, acc)

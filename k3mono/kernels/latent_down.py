@@ -39,11 +39,10 @@ def latent_down_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    STAGES: tl.constexpr = 1,  # gemv_tile's: its FMA K loop pipelined over this many steps
 ):
     """[GP, ROWS] bf16: z of tokens window .. window + G - 1, columns task*ROWS .. of this rank's slice."""
     acc = gemv_tile(x_ptr + window * stride_xs, stride_xs, w_ptr, stride_wn, task * ROWS, G, N, K, GP, ROWS, BLOCK_K,
-                    USE_DOT, EVEN_K, UPCAST, STAGES=STAGES)
+                    USE_DOT, EVEN_K, UPCAST)
     return to_bf16(acc)
 
 

@@ -210,12 +210,10 @@ def oproj_push_task(
     USE_DOT: tl.constexpr,
     O_EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
-    STAGES: tl.constexpr,  # gemv_tile's: its FMA K loop pipelined over this many steps
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
-    acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST,
-                     STAGES)
+    acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST)
     _push_rows(peer_table_ptr, slot, H, acc, tile * O_ROWS, 0, S, H, SP, O_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
@@ -246,17 +244,15 @@ def router_push_task(
     R_EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
     ROUTER_RMS: tl.constexpr,  # planner.StageGeometry.router_rms: x formed from h here
-    STAGES: tl.constexpr,  # gemv_tile's: its FMA K loop pipelined over this many steps
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
     window, skip = group_window(first, S, XG)
     if ROUTER_RMS:
         acc = router_task(tile, 0, h_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST,
-                          in_nw_ptr, seam_scale(0, hsq_ptr, eps, H, SC), True, STAGES)
+                          in_nw_ptr, seam_scale(0, hsq_ptr, eps, H, SC), True)
     else:
-        acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST,
-                          STAGES=STAGES)
+        acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST)
     _push_logits(acc, tile, window, skip, peer_table_ptr, slot, word, E, XG, E_R, XGP, R_ROWS, NP, SCOPE)
 
 
@@ -327,13 +323,11 @@ def latent_down_push_task(
     LD_EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
     PRESCALE: tl.constexpr,  # push z * 2^63 (exact), as the tensor-core expert tasks take it
-    STAGES: tl.constexpr,  # gemv_tile's: its FMA K loop pipelined over this many steps
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
     window, skip = group_window(first, S, XG)
-    zt = latent_down_task(tile, window, x_ptr, H, w_ld_ptr, H, XG, L_R, H, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST,
-                          STAGES)
+    zt = latent_down_task(tile, window, x_ptr, H, w_ld_ptr, H, XG, L_R, H, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST)
     _push_z(zt, tile, window, skip, peer_table_ptr, slot, word, L, XG, L_R, XGP, LD_ROWS, PRESCALE, NP, SCOPE)
 
 
@@ -402,14 +396,12 @@ def final_push_task(
     USE_DOT: tl.constexpr,
     F_EVEN_L: tl.constexpr,
     UPCAST: tl.constexpr,
-    STAGES: tl.constexpr,  # gemv_tile's: its FMA K loop pipelined over this many steps
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
 ):
     """The latent up-projection's rows, scaled, plus ``shared``: final_task's sum
     (its two gemv_tile terms, here run apart: MonoOptions.final_split), pushed."""
-    acc = gemv_tile(lat_ptr, L_R, w_up_ptr, L_R, tile * F_ROWS, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST,
-                    STAGES=STAGES)
+    acc = gemv_tile(lat_ptr, L_R, w_up_ptr, L_R, tile * F_ROWS, S, H, L_R, SP, F_ROWS, F_BK, USE_DOT, F_EVEN_L, UPCAST)
     partial = final_sum(acc, latent_scale(sq_ptr, eps, S, SP, L, PL), shared)
     _push_rows(peer_table_ptr, slot, H, partial, tile * F_ROWS, 0, S, H, SP, F_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
@@ -726,7 +718,6 @@ def _mono_kernel(
     CTL_I: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
     PREFETCH_KINDS: tl.constexpr,  # bit k: kind k prefetches its rows whatever PREFETCH (MonoOptions.always_prefetched)
-    DENSE_STAGES: tl.constexpr,  # the dense FMA tiles' K loops pipelined over this many steps (TileChoice.dense_stages)
     SCOPE: tl.constexpr,
     M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
     SPLITS: tl.constexpr,
@@ -852,8 +843,7 @@ def _mono_kernel(
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
-                                FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, DENSE_STAGES, NP,
-                                SCOPE)
+                                FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE1:
                 reduce1_task(tile, token, start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, blocks_ptr,
                              stride_bs, stride_bn, nb, ares_nw_ptr, ares_qk_ptr, sc_f32 + SPART_F, S, H, T, RC1, CANDS,
@@ -880,7 +870,7 @@ def _mono_kernel(
                 else:
                     router_push_task(tile, token, x_ptr, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, w_gate_ptr,
                                      peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E, E_R, SC, XG,
-                                     XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, ROUTER_RMS, DENSE_STAGES, NP, SCOPE)
+                                     XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, ROUTER_RMS, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
                 if X_PARTS > 1:
                     acc = gemv_part(x_ptr, H, w_ld_ptr, H, tile * LD_ROWS, slot, S, L_R, H // X_PARTS, SP, LD_ROWS,
@@ -894,10 +884,10 @@ def _mono_kernel(
                 else:
                     latent_down_push_task(tile, token, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R,
                                           FLAG_I + rword, S, H, L, L_R, XG, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN,
-                                          UPCAST, EXPERT_MMA, DENSE_STAGES, NP, SCOPE)
+                                          UPCAST, EXPERT_MMA, NP, SCOPE)
             elif kind == K_SHARED_GU:
                 shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
-                                    LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST, DENSE_STAGES)
+                                    LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
                 raise_counter(flags + rword, SCOPE)
             elif kind == K_ROUTE_PART:
                 route_part_task(token, tile, own_f32 + pf + LOG_F, bias_ptr, keys_ptr, E, KTOP, E_PAD, RC)
@@ -934,13 +924,13 @@ def _mono_kernel(
             elif kind == K_FINAL:
                 # the shared down-projection first: with final_split the latent's wait is still open
                 shared = gemv_tile(sact_ptr, SI_R, w_sd_ptr, SI_R, tile * F_ROWS, S, H, SI_R, SP, F_ROWS, F_BK,
-                                   USE_DOT, F_EVEN_S, UPCAST, STAGES=DENSE_STAGES)
+                                   USE_DOT, F_EVEN_S, UPCAST)
                 ok = _poll_waits(early, nwaits, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket,
                                  SCOPE, SLEEP_NS)
                 if ok != 0:
                     final_push_task(tile, shared, lat_ptr, sc_f32 + LSQ_F, eps, w_up_ptr, peer_table_ptr,
                                     pf + AR3_F + rank * (S * H), FLAG_I + rword, S, H, L, L_R, PL, SP, F_ROWS, F_BK,
-                                    USE_DOT, F_EVEN_L, UPCAST, DENSE_STAGES, NP, SCOPE)
+                                    USE_DOT, F_EVEN_L, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE3:
                 reduce3_task(token, start, stop, own_f32 + pf + AR3_F, out_ptr, stride_os, S, H, T, RC3)
             elif kind == K_NOP:

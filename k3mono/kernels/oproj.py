@@ -35,11 +35,10 @@ def oproj_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    STAGES: tl.constexpr = 1,  # gemv_tile's: its FMA K loop pipelined over this many steps
 ):
     """[SP, ROWS] fp32: the partial's rows task*ROWS .. (store with store_rows)."""
     return gemv_tile(core_ptr, stride_cs, w_ptr, stride_wn, task * ROWS, S, H, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                     UPCAST, STAGES=STAGES)
+                     UPCAST)
 
 
 @triton.jit

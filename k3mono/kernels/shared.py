@@ -43,13 +43,12 @@ def shared_gate_up_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    STAGES: tl.constexpr = 1,  # gemv_tile's: its FMA K loop pipelined over this many steps
 ):
     row0 = task * ROWS
     gate = to_bf16(gemv_tile(x_ptr, stride_xs, gate_ptr, stride_gn, row0, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                             UPCAST, STAGES=STAGES))
+                             UPCAST))
     up = to_bf16(gemv_tile(x_ptr, stride_xs, up_ptr, stride_un, row0, S, N, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                           UPCAST, STAGES=STAGES))
+                           UPCAST))
     act = to_bf16(situ(as_f32(gate), as_f32(up), BETA, LINEAR_BETA))
     store_rows(act_ptr, stride_as, act, row0, 0, S, N, SP, ROWS)
 
