@@ -16,7 +16,8 @@ tasks of an MLA layer's launch): (h, block of BLOCK_DV value rows d, token s):
 These are reference/mla.py's bf16-mode roundings (the sum over splits in another
 association: fp32 rounding of the same terms). A program a token: one for all
 S tokens combined their splits one token after another (at S = 16, 32 steps in
-a row: the fold cost 59.5 us on an H100), while the token's w_v tile (the one
+a row: the fold cost 59.2 us on an H100, a program a token 33.0 on the same
+one; docs/PERF.md, twenty-sixth session), while the token's w_v tile (the one
 large read, heads x 128 x 512 bf16, 1.5 MB a rank at TP8) comes from HBM for
 the first token's programs and from L2 for the others. D_LATENT and D_V are
 powers of two (tl.arange, tl.dot), so nothing needs a mask.
