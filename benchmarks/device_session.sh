@@ -43,7 +43,7 @@
 # folded in and not) and traced; l2_reads: the dense tile from L2 against HBM, o_proj's step at S = 2, 4, the S = 1
 # checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1; prefetch_mask: the
 # always-prefetched kinds' mask checked with all three on; m1b_tasks: M1b checked, timed against $K3MONO_BASES' trees and
-# traced;
+# traced; m1b_short_tiles: M1b alone at other short-combine tiles;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -199,6 +199,10 @@ for s in $STEPS; do
                 --tokens 1 16 --splits 16 264 --fold-tokens 1 16"
         done
         step m1b_trace 60 python3 benchmarks/mono_trace.py --tokens 1 --m1b --out "$RESULTS" ;;
+    m1b_short_tiles)  # M1b alone at other short-combine tiles (latent columns a step x steps in flight; 128x5 and
+        # 256x3 put every step in flight before the lse wait, offline), S = 1 and 16, 16 splits
+        step m1b_short_tiles 150 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 --fold-tokens \
+            --short-tiles 128x4 128x5 256x2 256x3 64x5 ;;
     prefetch_mask)  # the always-prefetched kinds' mask (MonoOptions.always_prefetched) with all three kinds on, T = 1, S = 1
         step prefetch_mask_check 90 python3 benchmarks/gpu_check.py --skip-staged --tp 1 --tokens 1 --prefetch-gate-up 1 \
             --prefetch-down 1 --prefetch-oproj 1 --grids --occupy-sms 0 ;;

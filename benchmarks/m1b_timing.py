@@ -2,7 +2,11 @@
 rank of TP8, loopback) against the plain launch: the short device check of an
 M1b change (``bench --mla`` runs the same rows among many more).
 
-    python benchmarks/m1b_timing.py [--tokens 1 16] [--splits 16 132 264] [--fold-tokens 1]
+    python benchmarks/m1b_timing.py [--tokens 1 16] [--splits 16 132 264] [--fold-tokens 1] [--short-tiles 128x3 128x5]
+
+``--short-tiles CHUNKxSTAGES``: M1b alone also at these short-combine tiles
+(latent columns a step, steps in flight; mla.BACK_TILE's otherwise), for split
+counts up to mla.BACK_TILE's short_splits.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ def main() -> None:
     from k3mono.bench import BENCH_LAYER, WEIGHT_SETS
     from k3mono.bench_mla import attn_call, back_call, bench_m1b_fold, rotation
     from k3mono.config import preset
+    from k3mono.mla import BACK_TILE
     from k3mono.synthetic import random_shard
     from k3mono.timing import time_graph
 
@@ -27,17 +32,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--splits", type=int, nargs="+", default=[16, 132, 264])
     parser.add_argument("--fold-tokens", type=int, nargs="*", default=[1])
+    parser.add_argument("--short-tiles", nargs="*", default=[], help="CHUNKxSTAGES, e.g. 128x5 256x3")
     args = parser.parse_args()
     device = torch.device("cuda")
+    short_tiles = [tuple(int(v) for v in text.split("x")) for text in args.short_tiles]
     for tokens in args.tokens:
         sets = rotation(tokens, CONTEXT, "bf16", device)
         for splits in args.splits:
-            backs = []
+            partials = []
             for inputs in sets:
                 attend, o, lse = attn_call(inputs, splits)
                 attend()
-                backs.append(back_call(inputs, o, lse)[0])
-            print(f"M1b alone S={tokens:>2} {splits:>3} splits: {1e6 * time_graph(backs):7.1f} us", flush=True)
+                partials.append((inputs, o, lse))
+            tiles = [("", BACK_TILE)]
+            if splits <= BACK_TILE["short_splits"]:
+                tiles += [(f" chunk {c} stages {st}", dict(BACK_TILE, chunk=c, stages=st)) for c, st in short_tiles]
+            for name, tile in tiles:
+                backs = [back_call(inputs, o, lse, tile=tile)[0] for inputs, o, lse in partials]
+                print(f"M1b alone S={tokens:>2} {splits:>3} splits{name}: {1e6 * time_graph(backs):7.1f} us",
+                      flush=True)
         del sets
         torch.cuda.empty_cache()
     if args.fold_tokens:

@@ -140,15 +140,17 @@ def attn_call(inputs: MlaInputs, splits: int, tile: dict | None = None):
     return call, o, lse
 
 
-def back_call(inputs: MlaInputs, o, lse, core=None):
-    """M1b from o and lse into a fixed core (a new one, or ``core``): (the call, core)."""
+def back_call(inputs: MlaInputs, o, lse, core=None, tile=None):
+    """M1b from o and lse into a fixed core (a new one, or ``core``): (the call, core).
+    tile: launch_mla_back's tile arguments (default mla.BACK_TILE)."""
     from .kernels.mla_back import launch_mla_back
     from .mla import BACK_TILE, core_like
 
     core = core_like(inputs.gate) if core is None else core
+    tile = BACK_TILE if tile is None else tile
 
     def call():
-        launch_mla_back(o, lse, inputs.w_v, inputs.gate, core, **BACK_TILE)
+        launch_mla_back(o, lse, inputs.w_v, inputs.gate, core, **tile)
 
     return call, core
 
