@@ -6,6 +6,8 @@ import time). A GPU machine keeps compiled kernels unless the caller asks.
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,3 +37,20 @@ def mono_launches(monkeypatch) -> list:
     recorder = LaunchRecorder()
     monkeypatch.setattr("k3mono.kernels.mono._mono_kernel", recorder)
     return recorder.grids
+
+
+@pytest.fixture
+def run_compiled():
+    """run(script, timeout): the script in a child process with the interpreter
+    off (offline Hopper builds; the interpreter, on in this one, cannot compile),
+    failing unless it exits 0 and prints "ok" last. Skips where Triton has no
+    NVIDIA backend."""
+    pytest.importorskip("triton.backends.nvidia")
+
+    def run(script: str, timeout: int = 600) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:] + proc.stdout[-2000:]
+
+    return run

@@ -30,7 +30,7 @@ the memory bandwidth:
   o_proj task at S = 1: 12 steps of 8 KB, 10 us from HBM and 7.9 from L2 in
   the mono launch's traces). Triton's pipelined range instead (cp.async
   into shared memory, 2 or 3 stages) made the mono launch slower on an H100:
-  69.6 -> 110.3 / 97.6 us at S = 1, 130 -> 214 / 252 at S = 4 (docs/PERF.md,
+  69.6 -> 110.3 / 97.6 us at S = 1, 130 -> 215 / 253 at S = 4 (docs/PERF.md,
   twenty-sixth session).
 
 Shape-like arguments (S, N, K) are constexprs: the interpreter cannot loop to a
