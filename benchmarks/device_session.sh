@@ -203,6 +203,49 @@ for s in $STEPS; do
         # 256x3 put every step in flight before the lse wait, offline), S = 1 and 16, 16 splits
         step m1b_short_tiles 150 python3 benchmarks/m1b_timing.py --tokens 1 16 --splits 16 --fold-tokens \
             --short-tiles 128x4 128x5 256x2 256x3 64x5 ;;
+    m1c_convert)  # M1c's e4m3 pairs converted two at a time (one PRMT for four values), a step's two page ids
+        # loaded as scalars, the rope columns in halves: checked (fp8, S = 1 and 4), timed at the default tile here
+        # and in $K3MONO_BASE's tree, then 64 positions a step at 2 stages and a 168-register cap here
+        step m1c_convert_check 200 python3 benchmarks/gpu_check_mla.py --tokens 1 4 --contexts 4096 --kv fp8
+        for round in 1 2; do
+            step "m1c_convert_base_$round" 90 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && \
+                PYTHONPATH=\$PWD python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --kv fp8 bf16 --block-n 32 --stages 3 \
+                --warps 4"
+            step "m1c_convert_new_$round" 90 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --kv fp8 bf16 --block-n 32 \
+                --stages 3 --warps 4
+        done
+        step m1c_convert_tiles 90 python3 benchmarks/m1c_tiles.py --tokens 4 16 --block-n 64 32 --stages 2 --warps 4 \
+            --max-registers 0 168 ;;
+    m1c_tile64)  # M1c over an fp8 cache 64 positions a step at 2 stages (planner.attn_steps): checked (fp8 S = 16,
+        # bf16 S = 1; staged, and the three ways the same bits), the tiles at S = 1, 4 and 16 (8 warps at 128
+        # registers: 2 programs a SM, 16 warps), then the MLA layer's rows (fp8, 32 K) here and in $K3MONO_BASE's tree
+        step m1c_tile64_check_fp8 150 python3 benchmarks/gpu_check_mla.py --tokens 16 --contexts 4096 --kv fp8
+        step m1c_tile64_check_bf16 100 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv bf16
+        step m1c_tile64_tiles 90 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --block-n 64 32 --stages 2 3 --warps 4
+        step m1c_tile64_warps8 60 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --block-n 64 --stages 2 --warps 8 \
+            --max-registers 128 0
+        step m1c_tile64_bench_new 120 python3 -m k3mono bench --tp --tokens 1 4 16 --mla --contexts 32768 --kv fp8 \
+            --out "$RESULTS"
+        step m1c_tile64_bench_base 120 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && \
+            PYTHONPATH=\$PWD python3 -m k3mono bench --tp --tokens 1 4 16 --mla --contexts 32768 --kv fp8" ;;
+    mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
+        # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
+        step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8
+        step mla_layers_new 170 python3 benchmarks/mla_layers.py
+        step mla_layers_base 170 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && \
+            PYTHONPATH=\$PWD python3 '$PWD/benchmarks/mla_layers.py'" ;;
+    mla_fold_tile)  # M1c folded in at 32 positions and 3 stages over an fp8 cache too (planner.attn_steps, folded):
+        # checked (the three ways at that tile the same bits; 5000 positions at S = 4, 4096 at S = 16), then the MLA
+        # layer three ways (fp8, 32 K; S = 1, 4, 16)
+        step mla_fold_check_s4 100 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8
+        step mla_fold_check_s16 120 python3 benchmarks/gpu_check_mla.py --tokens 16 --contexts 4096 --kv fp8
+        step mla_fold_layers 170 python3 benchmarks/mla_layers.py ;;
+    m1b_sleep)  # S = 1, M1b folded in: waiting CTAs pausing between polls (do 216 spinning o_proj CTAs slow M1B's
+        # tasks?), traced and timed
+        step m1b_sleep_trace 120 python3 benchmarks/mono_trace.py --tokens 1 --m1b --poll-sleep-ns 0 1000 \
+            --out "$RESULTS"
+        step m1b_sleep_ab 120 python3 benchmarks/defaults_ab.py --m1b --field poll_sleep_ns --values 0 1000 \
+            --tokens 1 --rounds 2 ;;
     prefetch_mask)  # the always-prefetched kinds' mask (MonoOptions.always_prefetched) with all three kinds on, T = 1, S = 1
         step prefetch_mask_check 90 python3 benchmarks/gpu_check.py --skip-staged --tp 1 --tokens 1 --prefetch-gate-up 1 \
             --prefetch-down 1 --prefetch-oproj 1 --grids --occupy-sms 0 ;;

@@ -6,7 +6,8 @@ DV 128), bf16 and fp8 caches, contexts of 1 K, 32 K and 128 K positions:
   two launches captured in a CUDA graph and replayed 3 times: the same bits;
 * an MLA layer three ways (bench_mla.mla_fused_calls: M1c, M1b and the launch
   separately; M1b folded in; M1c and M1b folded in; rank 0 of TP8 in
-  loopback), outputs poisoned first: the same bits, no NaN, no timeout.
+  loopback; the separate M1c at the folded M1C tasks' tile, planner.attn_steps),
+  outputs poisoned first: the same bits, no NaN, no timeout.
 
     python benchmarks/gpu_check_mla.py [--tokens 1 4] [--contexts 1024 32768 131072] [--splits 0 16] [--device cuda]
 
@@ -56,7 +57,8 @@ def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int
     from k3mono.mono import device_sms
 
     splits = splits or fused_splits(tokens, device_sms(shard.o_proj.device))
-    calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13, splits=splits)
+    calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13, splits=splits,
+                            folded_tile=True)
     outs, problem = [], None
     for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
         runner.poison()

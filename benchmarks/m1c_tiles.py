@@ -39,7 +39,7 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     from k3mono.bench_mla import attn_call, rotation
-    from k3mono.mla import ATTN_TILE
+    from k3mono.mla import attn_tile
     from k3mono.timing import copy_bandwidth, time_graph
 
     parser = argparse.ArgumentParser()
@@ -55,10 +55,11 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; default tile {ATTN_TILE}", flush=True)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     started = time.time()
     for kv, tokens in itertools.product(args.kv, args.tokens):
         sets = rotation(tokens, args.context, kv, device)
+        print(f"{kv}: default tile {attn_tile(sets[0].kv)}", flush=True)
         cache_bytes = sets[0].cache_bytes
         for splits in args.splits or SPLITS_BY_TOKENS.get(tokens, (16,)):
             default_call, o_ref, lse_ref = attn_call(sets[0], splits)

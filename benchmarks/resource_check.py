@@ -3,7 +3,7 @@ their sm_90a builds without a GPU (k3mono/offline.py).
 
     PYTHONPATH=. python benchmarks/resource_check.py [--tokens 1 8 16] [--tp 8] [--loopback]
         [--gate-up-rows 32] [--down-rows 32] [--prefetch 0] [--expert-mma] [--expert-f16 1] [--ctas-per-sm 3]
-        [--tiles x_token_groups=1 x_group_tokens=8]
+        [--tiles x_token_groups=1 x_group_tokens=8] [--mla m1b|m1c] [--mla-kv fp8]
     PYTHONPATH=. python benchmarks/resource_check.py --m1c-alone [--tokens 1 4 16]
     PYTHONPATH=. python benchmarks/resource_check.py --m1b-alone [--tokens 1 16] [--m1b-splits 16]
 
@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--loopback", action="store_true", help="the benchmarks' loopback mono build (NP = 1)")
     parser.add_argument("--mla", default="", choices=["", "m1b", "m1c"],
                         help="an MLA layer's mono build: M1b, or M1c and M1b, folded in")
+    parser.add_argument("--mla-kv", default="bf16", choices=["bf16", "fp8"], help="the cache M1c reads (--mla m1c)")
     parser.add_argument("--gate-up-rows", type=int, default=None,
                         help="the mono build's TileChoice.gate_up_rows (default: mono.default_tiles(S)'s)")
     parser.add_argument("--down-rows", type=int, default=None,
@@ -105,7 +106,7 @@ def main() -> int:
         tiles = default_options_with(tokens, fields).tiles
         ctas = default_ctas_per_sm(tokens) if args.ctas_per_sm is None else args.ctas_per_sm
         compiled, grid = offline.mono_build(cfg, args.tp, tokens, args.loopback, args.mla, tiles=tiles,
-                                             prefetch=prefetch, ctas_per_sm=ctas)
+                                             prefetch=prefetch, ctas_per_sm=ctas, kv=args.mla_kv)
         experts_text = ("expert tasks on tensor cores" if tiles.expert_mma
                         else f"gate/up rows {tiles.gate_up_rows}, down rows {tiles.down_rows}, "
                              f"{'f16' if tiles.expert_f16 else 'fp32'} sums")

@@ -126,12 +126,13 @@ def rotation(tokens: int, context: int, kv_dtype: str, device) -> list[MlaInputs
 
 
 def attn_call(inputs: MlaInputs, splits: int, tile: dict | None = None):
-    """M1c into fixed outputs at ``tile`` (mla.ATTN_TILE's keys; its values unless given): (the call, o, lse)."""
+    """M1c into fixed outputs at ``tile`` (mla.attn_tile's keys; its values for the cache unless given):
+    (the call, o, lse)."""
     from .kernels.mla_attn import launch_mla_attn
-    from .mla import ATTN_TILE, split_outputs
+    from .mla import attn_tile, split_outputs
 
     o, lse = split_outputs(inputs.q, splits, LATENT_DIM)
-    tile = {**ATTN_TILE, **(tile or {})}
+    tile = {**attn_tile(inputs.kv), **(tile or {})}
 
     def call():
         launch_mla_attn(inputs.q, inputs.kv, inputs.qsl, inputs.seq_lens, inputs.pages, inputs.indptr, inputs.scale,
@@ -296,12 +297,15 @@ def fused_splits(tokens: int, sms: int) -> int:
 
 
 def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shard, layer: int,
-                    splits: int = FOLD_SPLITS) -> dict:
+                    splits: int = FOLD_SPLITS, folded_tile: bool = False) -> dict:
     """The three ways to run one MLA layer of rank 0 (loopback), M1c at ``splits``,
     as calls on loaded runners: {"separate", "m1b", "m1c"} -> call. Rank 0's inputs
-    are every rank's (the loopback pre-writes come from the same staged chain)."""
+    are every rank's (the loopback pre-writes come from the same staged chain). The
+    separate M1c runs at its own tile (mla.attn_tile), or with ``folded_tile`` at the
+    M1C tasks' of the third way, which then gives the first two ways' bits."""
     import dataclasses
 
+    from .mla import attn_tile
     from .mono import MonoRunner, default_options
     from .planner import M1bShape, M1cShape
     from .synthetic import random_inputs
@@ -313,7 +317,7 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     m1b = M1bShape(splits=splits, latent=LATENT_DIM)
     m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens, kv_fp8=kv_dtype == "fp8")
     attn = MlaInputs(gate=back_in["gate"], w_v=back_in["w_v"], **m1c_in)
-    attend, o, lse = attn_call(attn, splits)
+    attend, o, lse = attn_call(attn, splits, attn_tile(attn.kv, folded_tile))
     attend()  # the split outputs the m1b runner's M1b reads
     staged_back, core = back_call(attn, o, lse)
     staged_back()

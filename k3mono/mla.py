@@ -22,10 +22,10 @@ Geometry, and why:
   132 SMs of an H100/H200 once, while the split outputs M1b reads back
   (splits x heads x DL x 4 bytes = 384 KB a token) stay small next to a
   long context's cache read (576 bytes a position in fp8, 1152 in bf16).
-* ``ATTN_BLOCK_H``, ``ATTN_BLOCK_N``, ``ATTN_STAGES`` and ``ATTN_WARPS``: M1c's tile (16 heads,
-  32 positions a step, 3 steps in flight, 4 warps); ``BACK_BLOCK_DV``, ``BACK_SHORT_SPLITS``,
-  ``BACK_CHUNK``, ``BACK_PAIRS`` and ``BACK_STAGES``: M1b's (``ATTN_TILE``, ``BACK_TILE``); shared with the mono
-  launch's M1C and M1B tasks, so the planner holds them (and why).
+* ``ATTN_BLOCK_H``, ``attn_steps`` and ``ATTN_WARPS``: M1c's tile (16 heads; 64 positions a step
+  and 2 steps in flight over an fp8 cache, 32 and 3 over a bf16 one; 4 warps); ``BACK_BLOCK_DV``,
+  ``BACK_SHORT_SPLITS``, ``BACK_CHUNK``, ``BACK_PAIRS`` and ``BACK_STAGES``: M1b's (``attn_tile``,
+  ``BACK_TILE``); shared with the mono launch's M1C and M1B tasks, so the planner holds them (and why).
 
 ``staged_mla_layer_post`` is an MLA layer's post-attention half staged: M1b
 per rank, then the staged layer (the mono launch runs both in one:
@@ -37,16 +37,21 @@ from __future__ import annotations
 import torch
 
 from .errors import K3InputError
-from .kernels.mla_attn import check_mla_attn_args, check_q, launch_mla_attn, shape_text
+from .kernels.mla_attn import FP8, check_mla_attn_args, check_q, launch_mla_attn, shape_text
 from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
-from .planner import (ATTN_BLOCK_H, ATTN_BLOCK_N, ATTN_STAGES, ATTN_WARPS, BACK_BLOCK_DV, BACK_CHUNK, BACK_PAIRS,
-                      BACK_SHORT_SPLITS, BACK_STAGES)
+from .planner import (ATTN_BLOCK_H, ATTN_WARPS, BACK_BLOCK_DV, BACK_CHUNK, BACK_PAIRS, BACK_SHORT_SPLITS, BACK_STAGES,
+                      attn_steps)
 from .reference.mla import LATENT_DIM
 
 DEFAULT_SPLITS = 16
 
-ATTN_TILE = dict(block_h=ATTN_BLOCK_H, block_n=ATTN_BLOCK_N, stages=ATTN_STAGES, warps=ATTN_WARPS)
-"""launch_mla_attn's tile arguments, the planner's (M1cGeometry holds the same)."""
+
+def attn_tile(kv, folded: bool = False) -> dict:
+    """launch_mla_attn's tile arguments for the cache kv, the planner's (planner.attn_steps); ``folded``:
+    the mono launch's M1C tasks' (M1cGeometry holds the same), so a launch alone gives their bits."""
+    block_n, stages = attn_steps(isinstance(kv, torch.Tensor) and kv.dtype == FP8, folded)
+    return dict(block_h=ATTN_BLOCK_H, block_n=block_n, stages=stages, warps=ATTN_WARPS)
+
 
 BACK_TILE = dict(short_splits=BACK_SHORT_SPLITS, chunk=BACK_CHUNK, pairs=BACK_PAIRS, stages=BACK_STAGES,
                  block_dv=BACK_BLOCK_DV)
@@ -73,11 +78,12 @@ def split_outputs(q, splits: int, latent_dim: int):
 
 
 def mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, *, kv_scale=1.0, splits=DEFAULT_SPLITS,
-             latent_dim=LATENT_DIM):
-    """M1c alone: (o [splits, S, heads, DL] fp32, lse [splits, S, heads] fp32)."""
+             latent_dim=LATENT_DIM, folded_tile=False):
+    """M1c alone: (o [splits, S, heads, DL] fp32, lse [splits, S, heads] fp32); ``folded_tile``:
+    at the mono launch's M1C tile (attn_tile), the bits an M1c folded into it writes."""
     o, lse = split_outputs(q, splits, latent_dim)
     launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale,
-                    **ATTN_TILE)
+                    **attn_tile(kv, folded_tile))
     return o, lse
 
 
@@ -104,8 +110,7 @@ def mla_decode(q, kv, qsl, seq_lens, pages, indptr, scale, w_v, gate, *, kv_scal
     core = core_like(gate)
     check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale)
     check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
-    launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale,
-                    **ATTN_TILE)
+    launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale, **attn_tile(kv))
     launch_mla_back(o, lse, w_v, gate, core, w_v_scale=w_v_scale, **BACK_TILE)
     return core
 
@@ -132,9 +137,10 @@ def rank_cores(m1b_in_per_rank) -> torch.Tensor:
     return torch.cat(cores, dim=1)
 
 
-def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int) -> list[dict]:
+def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int, folded_tile: bool = False) -> list[dict]:
     """Each rank's M1b inputs (M1B_INPUTS) from its M1c inputs (a dict of M1C_INPUTS)
-    and its M1b weights (a dict of M1B_WEIGHTS): its M1c, one launch a rank."""
+    and its M1b weights (a dict of M1B_WEIGHTS): its M1c, one launch a rank (at the
+    mono launch's M1C tile with ``folded_tile``: mla_attn)."""
     out = []
     for rank, (attn_in, weights) in enumerate(zip(m1c_in_per_rank, m1b_weights_per_rank)):
         check_m1b_keys(f"m1c_in[{rank}]", attn_in, M1C_INPUTS)
@@ -142,7 +148,7 @@ def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int) -> li
         _, _, latent = check_w_v(weights["w_v"])
         o, lse = mla_attn(attn_in["q"], attn_in["kv"], attn_in["qsl"], attn_in["seq_lens"], attn_in["pages"],
                           attn_in["indptr"], attn_in["scale"], kv_scale=attn_in["kv_scale"], splits=splits,
-                          latent_dim=latent)
+                          latent_dim=latent, folded_tile=folded_tile)
         out.append({**weights, "o": o, "lse": lse})
     return out
 

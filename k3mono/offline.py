@@ -146,11 +146,11 @@ MLA_CONTEXT = 1024  # a build reads no lengths: any context compiles the same ke
 
 def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_registers: int | None = None,
                tiles: TileChoice | None = None, trace: bool = False, poll_sleep_ns: int | None = None,
-               prefetch: int | None = None, ctas_per_sm: int | None = None):
+               prefetch: int | None = None, ctas_per_sm: int | None = None, kv: str = "bf16"):
     """The mono kernel of rank 0 as the host path launches it: (compiled, grid).
     ``mla``: "" a plain layer, "m1b" M1b folded in, "m1c" M1c and M1b folded in
-    (bench_mla's inputs: one request a token, its splits and page size, bf16 cache
-    and w_v); ``max_registers`` the maxnreg cap (mono.MonoBuild; None: the one
+    (bench_mla's inputs: one request a token, its splits and page size, a ``kv``
+    cache, "bf16" or "fp8", and bf16 w_v); ``max_registers`` the maxnreg cap (mono.MonoBuild; None: the one
     that keeps the planned CTAs resident); ``tiles``, ``poll_sleep_ns`` and
     ``ctas_per_sm`` MonoOptions' (None: mono.default_options');
     ``trace`` a trace build (k3mono/trace.py); ``prefetch`` the prefetch mode
@@ -162,7 +162,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     from .synthetic import random_inputs
 
     m1b = M1bShape(splits=FOLD_SPLITS, latent=512) if mla else None
-    m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens) if mla == "m1c" else None
+    m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens, kv_fp8=kv == "fp8") if mla == "m1c" else None
     chosen = {name: value for name, value in (("tiles", tiles), ("poll_sleep_ns", poll_sleep_ns),
                                               ("ctas_per_sm", ctas_per_sm)) if value is not None}
     options = default_options(tokens, m1b=m1b, m1c=m1c, **chosen)
@@ -175,7 +175,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     if mla == "m1b":
         rank.load_m1b_inputs(m1b_inputs(cfg, tokens, tp, "cpu", seed=0), inputs["prefix"], inputs["blocks"])
     elif mla == "m1c":
-        m1c_in, m1b_in = mla_layer_inputs(cfg, tokens, MLA_CONTEXT, "bf16", tp, "cpu", seed=0)
+        m1c_in, m1b_in = mla_layer_inputs(cfg, tokens, MLA_CONTEXT, kv, tp, "cpu", seed=0)
         rank.load_m1b_inputs(m1b_in, inputs["prefix"], inputs["blocks"], m1c_in=m1c_in)
     else:
         rank.load_inputs(**inputs)

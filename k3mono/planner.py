@@ -30,8 +30,8 @@ kernel file holds no magic numbers. Why these values:
   w_v tile is read once a launch (``M1bGeometry``).
 * M1c (the MLA decode attention, kernels/mla_attn.py) cuts the work into one
   task (or program) a query token, context split and ``ATTN_BLOCK_H`` heads,
-  ``ATTN_BLOCK_N`` context positions a step, ``ATTN_STAGES`` steps in flight
-  (``M1cGeometry``).
+  ``attn_steps``: context positions a step and steps in flight, by the cache's
+  dtype (``M1cGeometry``).
 """
 
 from __future__ import annotations
@@ -421,18 +421,41 @@ ATTN_BLOCK_H = 16
 heads fit one block, so every cache row is read once per token and split."""
 
 ATTN_BLOCK_N = 32
-"""Context positions an M1c step covers: a 32 x 512 bf16 latent tile is 32 KB
-of shared memory, and the fp32 accumulator [16, 512] another 32 KB of
-registers (64 a thread at 4 warps). Steps of 64 on the fp8 byte loads gained
-1 us at S = 1 and lost at S = 4 and 16 (docs/PERF.md, seventh session); with
-the latent halves a 64-position step builds (offline sm_90a, 2 stages) at 255
-registers for fp8 and 226 for bf16, not yet timed."""
+"""Context positions an M1c step covers over a bf16 cache: a 32 x 512 bf16 latent
+tile is 32 KB of shared memory, and the fp32 accumulator [16, 512] another 32 KB of
+registers (64 a thread at 4 warps)."""
 
 ATTN_STAGES = 3
-"""M1c steps in flight (the context loop's software pipeline): one SM streams a
-split alone at S = 1, and a step (32 cache rows: 18 KB in fp8, 36 KB in bf16)
-covers about a microsecond of HBM latency only if the next two are already
-loading; three 36 KB bf16 stages still fit the 227 KB of an SM."""
+"""M1c steps in flight over a bf16 cache (the context loop's software pipeline):
+one SM streams a split alone at S = 1, and a step (32 cache rows, 36 KB) covers
+about a microsecond of HBM latency only if the next two are already loading;
+three 36 KB stages still fit the 227 KB of an SM."""
+
+ATTN_FP8_BLOCK_N = 64
+"""Context positions an M1c step covers over an fp8 cache: 36 KB a step, as a bf16
+step of 32. Once a step's two page ids were scalar loads (kernels/mla_attn.py
+_step_pages), 64 positions at 2 stages streamed 32 K of fp8 cache at 90 % of the
+copy at S = 16 and 65 % at S = 4, against 72 % and 56 % at 32 positions and 3
+stages (one H100, docs/PERF.md, twenty-seventh session); before that change 64
+positions lost at S = 4 and 16 (sixteenth session)."""
+
+ATTN_FP8_STAGES = 2
+"""M1c steps in flight over an fp8 cache: two 36 KB steps of ATTN_FP8_BLOCK_N
+positions, the bytes three bf16 steps keep in flight less one; 2 programs a SM
+still fit (255 registers)."""
+
+
+def attn_steps(kv_fp8: bool, folded: bool = False) -> tuple[int, int]:
+    """(positions a step, steps in flight) of M1c over an fp8 or a bf16 cache,
+    launched alone or ``folded`` into the mono launch as its M1C tasks. Folded, an
+    fp8 cache keeps ATTN_BLOCK_N and ATTN_STAGES: the mono build's registers are
+    the launch's (168 a thread from 3 CTAs a SM), and 64-position steps spilled in
+    the step loop (offline sm_90a, TP8: 5 stack accesses a step at S = 1, 183 at
+    S = 16) and made the layer with M1c folded in slower on an H100 (fp8, 32 K:
+    S = 1 157.1 -> 166.0 us, S = 16 637.6 -> 694.2; docs/PERF.md, twenty-seventh
+    session)."""
+    return (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES) if kv_fp8 and not folded else (ATTN_BLOCK_N, ATTN_STAGES)
+
 
 ATTN_WARPS = 4
 """Warps of an M1c program launched alone (the mono launch's M1C tasks run at
@@ -597,8 +620,8 @@ def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cS
         requests=shape.requests,
         kv_fp8=shape.kv_fp8,
         block_h=ATTN_BLOCK_H,
-        block_n=ATTN_BLOCK_N,
-        stages=ATTN_STAGES,
+        block_n=attn_steps(shape.kv_fp8, folded=True)[0],
+        stages=attn_steps(shape.kv_fp8, folded=True)[1],
     )
 
 

@@ -15,8 +15,9 @@ Cache rows that belong to no request's context are NaN too, so a row read
 past a context (a wrong page, row or mask) fails. Pages are handed out in a
 shuffled order, contexts are not multiples of the page size, a context of 2
 positions leaves splits empty (chunks are ceil(L / splits) positions of each
-request), and some splits are longer than ATTN_BLOCK_N positions, so the
-online softmax's running max moves between steps.
+request), and some splits are longer than a step (planner.attn_steps: 32
+positions over a bf16 cache, 64 over an fp8 one), so the online softmax's
+running max moves between steps.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from k3mono.runner import BUDGET_FACTOR, rel_err
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 FP8 = torch.float8_e4m3fn
 LSE_FLOOR = 1e-7
-SMALL = (32, 16, 16)  # (DL, DR, DV): the kernels take the widths as constexprs
+SMALL = (32, 32, 16)  # (DL, DR, DV): the kernels take the widths as constexprs
 REAL = (ref.LATENT_DIM, ref.ROPE_DIM, 128)
 
 
@@ -201,6 +202,10 @@ ATTN_CASES = {
     "B1-q2": ([2], [45], 8, 2, SMALL, 3),
     "B3-mixed-short": ([1, 2, 1], [70, 2, 37], 16, 4, SMALL, 3),
     "B3-real-widths": ([2, 1, 1], [19, 3, 70], 16, 2, REAL, 2),
+    # pages of at least a step's positions (mla_attn._step_pages): steps that straddle two pages
+    "B1-q1-page-of-a-step": ([1], [150], 32, 4, SMALL, 3),
+    "B3-pages-over-a-step": ([1, 2, 1], [70, 2, 137], 64, 3, SMALL, 3),
+    "B2-fp8-steps-over-pages": ([1, 2], [300, 171], 64, 2, SMALL, 3),  # splits of 2 and 3 fp8 steps
 }
 
 
@@ -210,7 +215,7 @@ def run_attn_kernel(batch: Batch, splits: int):
     tokens, heads, _ = batch.q.shape
     o = torch.full((splits, tokens, heads, batch.w_v.shape[-1]), float("nan"), device=DEVICE)
     lse = torch.full((splits, tokens, heads), float("nan"), device=DEVICE)
-    launch_mla_attn(*device_batch.layout, o, lse, kv_scale=batch.kv_scale, **mla.ATTN_TILE)
+    launch_mla_attn(*device_batch.layout, o, lse, kv_scale=batch.kv_scale, **mla.attn_tile(batch.kv))
     return o.cpu(), lse.cpu()
 
 
@@ -351,7 +356,17 @@ def test_fp8_cache_rows_at_odd_bytes_are_refused():
     batch.kv = wider[..., :dqk]  # row stride dqk + 1, odd
     o, lse = (t.fill_(float("nan")) for t in mla.split_outputs(batch.q, 2, batch.w_v.shape[-1]))
     with pytest.raises(K3InputError, match=r"^kv: an fp8 cache's rows must start at even bytes"):
-        launch_mla_attn(*batch.layout, o, lse, kv_scale=batch.kv_scale, **mla.ATTN_TILE)
+        launch_mla_attn(*batch.layout, o, lse, kv_scale=batch.kv_scale, **mla.attn_tile(batch.kv))
+    assert o.isnan().all() and lse.isnan().all(), "nothing may be written"
+
+
+def test_a_positional_width_below_two_dot_halves_is_refused():
+    """M1c takes the rope columns in two halves, each a dot's K: 16 of them are named, nothing written."""
+    batch = make_batch([1], [20], widths=(32, 16, 16))
+    o, lse = (t.fill_(float("nan")) for t in mla.split_outputs(batch.q, 2, batch.w_v.shape[-1]))
+    with pytest.raises(K3InputError, match=r"^q: expected DQK - DL \(the positional width\) a power of two >= 32, "
+                                           r"got 16"):
+        launch_mla_attn(*batch.layout, o, lse, kv_scale=batch.kv_scale, **mla.attn_tile(batch.kv))
     assert o.isnan().all() and lse.isnan().all(), "nothing may be written"
 
 
@@ -415,7 +430,8 @@ def test_bench_fused_mla_calls_run_the_three_ways_to_the_same_outputs():
     from k3mono.synthetic import random_shard
 
     cfg = preset("tiny")
-    calls = mla_fused_calls(cfg, 1, 2, 70, "fp8", random_shard(cfg, 1, seed=0, device="cpu"), layer=13)
+    calls = mla_fused_calls(cfg, 1, 2, 70, "fp8", random_shard(cfg, 1, seed=0, device="cpu"), layer=13,
+                            folded_tile=True)
     outs = []
     for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
         runner.poison()

@@ -233,7 +233,7 @@ def test_m1b_tasks_of_fewer_value_rows_give_the_staged_chains_bits():
 
 # -- M1c in the launch too ------------------------------------------------------------------
 
-ROPE = 16  # DR: the smallest tl.dot width
+ROPE = 32  # DR: two halves of tl.dot's smallest width (kernels.mla_attn.HALVES_MIN)
 PAGE_SIZE = 8
 
 
@@ -302,7 +302,7 @@ def test_mono_with_m1c_and_m1b_matches_the_reference_chain_and_the_staged_kernel
     got = runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"], m1c_in=m1c_in)
 
     # (b) each rank's launch wrote the staged M1c's split outputs and the staged M1b's core, bit for bit
-    staged_in = mla.with_split_outputs(m1c_in, m1b_in, SPLITS)
+    staged_in = mla.with_split_outputs(m1c_in, m1b_in, SPLITS, folded_tile=True)
     staged_core = mla.rank_cores(staged_in)
     width = cfg.core_width // tp
     for r in range(tp):
@@ -324,7 +324,7 @@ BAD_M1C = {
     "no-scale": (lambda a, m: ([{k: v for k, v in a.items() if k != "scale"}], [m]), r"^m1c_in: expected a dict"),
     "q-fp32": (lambda a, m: ([{**a, "q": a["q"].float()}], [m]), r"^q: expected dtype torch.bfloat16, got .*float32"),
     "kv-fp8": (lambda a, m: ([{**a, "kv": a["kv"].to(FP8)}], [m]), r"^kv: expected dtype torch.bfloat16, got .*float8"),
-    "kv-page-size": (lambda a, m: ([{**a, "kv": a["kv"][:, :4]}], [m]), r"^kv: expected shape \[pages, 8, 48\]"),
+    "kv-page-size": (lambda a, m: ([{**a, "kv": a["kv"][:, :4]}], [m]), r"^kv: expected shape \[pages, 8, 64\]"),
     "seq_lens-int64": (lambda a, m: ([{**a, "seq_lens": a["seq_lens"].long()}], [m]), r"^seq_lens: expected dtype"),
     "m1b-with-o": (lambda a, m: ([a], [{**m, "o": None, "lse": None}]), r"^m1b_in: expected a dict of \['w_v'"),
     "past-the-pages": (lambda a, m: ([{**a, "seq_lens": a["seq_lens"] + 8}], [m]), r"^request 0: "),

@@ -33,18 +33,22 @@ bf16 one of twice the bytes (docs/PERF.md). It needs |q| * kv_scale below
 fp16's 65504 (latent queries are O(1) to O(100) and kv_scale is amax / 448).
 
 The latent dims are taken in two halves, each its own pair of dots (score
-sums both; acc_a and acc_b are o's columns of each half):
+sums both; acc_a and acc_b are o's columns of each half), and the rope dims
+in two halves the same way (two more score dots), columns FIRST + ... of
+width WIDTH (the latent: 0 and D_LATENT, the rope: D_LATENT and D_ROPE):
 
-    bf16 cache: half 0 columns c, half 1 columns D_LATENT / 2 + c
-    fp8 cache:  half 0 columns 2c, half 1 columns 2c + 1     c < D_LATENT / 2
+    bf16 cache: half 0 columns FIRST + c, half 1 columns FIRST + WIDTH / 2 + c
+    fp8 cache:  half 0 columns FIRST + 2c, half 1 columns FIRST + 2c + 1     c < WIDTH / 2
 
-An fp8 cache's latent columns are read as uint16 pairs of e4m3 codes and each
-pair converted in registers to two fp16 (common.e4m3_pairs_to_fp16), so the
-tile a dot reads from shared memory has 16-bit elements: ldmatrix moves those,
+An fp8 cache's columns are read as uint16 pairs of e4m3 codes and each pair
+converted in registers to two fp16 (common.e4m3_pairs_to_fp16), so the tile a
+dot reads from shared memory has 16-bit elements: ldmatrix moves those,
 transposed for P @ V too. Read as bytes, the tile reached the mma fragments by
 8-bit shared loads (no ldmatrix transposes 8-bit data): 228 of them a step, and
-the fp8 cache streamed at 31 to 43 % of the copy (docs/PERF.md). The rope
-columns feed only the score dot, whose operand layout ldmatrix gives from bytes.
+the fp8 cache streamed at 31 to 43 % of the copy (docs/PERF.md). The rope read
+as bytes took 8-bit shared loads too (offline sm_90a, S = 16: 786 instructions
+a step against 763 in halves). Both widths are thus at least two dots' K
+(HALVES_MIN).
 
 A program owns one query token, so a request's n query tokens read its cache
 n times; in exchange the grid (S, SPLITS, head blocks) is fixed for a given
@@ -68,6 +72,7 @@ from .common import RANGE_BY_WHILE, as_f32, dot_acc, e4m3_pairs_to_fp16, to_bf16
 
 FP8 = torch.float8_e4m3fn
 DOT_MIN = 16  # tl.dot's smallest M, N and K
+HALVES_MIN = 2 * DOT_MIN  # the latent and rope widths: two halves, each a dot's K
 
 
 @triton.jit
@@ -138,18 +143,49 @@ def _split_range(
 
 
 @triton.jit
+def _step_pages(
+    pos0,  # the step's first context position
+    hi,  # the split's end (pos0 < hi)
+    pages_ptr,  # [num_slots] int32: page ids
+    first_slot,  # indptr[b]
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """[BLOCK_N] page ids of positions pos0 .. pos0 + BLOCK_N - 1 (past hi: 0, or one of the
+    request's pages; the loads mask those rows).
+
+    A page of at least BLOCK_N rows leaves a step at most two pages, so two
+    scalar loads name them and every position picks one by arithmetic, which
+    the compiler repeats in each layout the step's loads take. One load a
+    position made a [BLOCK_N] vector that went through shared memory to each
+    of those layouts (a store, a barrier and loads every step; offline sm_90a)."""
+    pos = pos0 + tl.arange(0, BLOCK_N)
+    if PAGE_SIZE >= BLOCK_N:
+        near = pos0 // PAGE_SIZE
+        last = (tl.minimum(pos0 + BLOCK_N, hi) - 1) // PAGE_SIZE
+        near_page = tl.load(pages_ptr + first_slot + near)
+        far_page = tl.load(pages_ptr + first_slot + last)  # near_page again within one page
+        return tl.where(pos // PAGE_SIZE == near, near_page, far_page)
+    else:
+        return tl.load(pages_ptr + first_slot + pos // PAGE_SIZE, mask=pos < hi, other=0)
+
+
+@triton.jit
 def _cache_rows(
-    pos,  # [BLOCK_N] int32 context positions
-    live,  # [BLOCK_N] pos < hi
+    pos0,  # the step's first context position
+    hi,  # the split's end (pos0 < hi)
     kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8
     stride_kvp,
     stride_kvr,
     pages_ptr,  # [num_slots] int32: page ids
     first_slot,  # indptr[b]
+    BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
-    """[BLOCK_N] pointers to the cache rows of the positions (64-bit: a cache may pass 2^31 bytes)."""
-    page = tl.load(pages_ptr + first_slot + pos // PAGE_SIZE, mask=live, other=0)
+    """[BLOCK_N] pointers to the cache rows of positions pos0 .. pos0 + BLOCK_N - 1 (64-bit: a
+    cache may pass 2^31 bytes); rows past hi point at a live page, and the loads mask them."""
+    pos = pos0 + tl.arange(0, BLOCK_N)
+    page = _step_pages(pos0, hi, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
     return kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvr
 
 
@@ -167,33 +203,51 @@ def _load_cols(
 @triton.jit
 def _half_cols(
     part,  # 0 or 1
-    D_LATENT: tl.constexpr,
+    FIRST: tl.constexpr,  # the columns' first (0: the latent, D_LATENT: the rope)
+    WIDTH: tl.constexpr,  # and their count (D_LATENT or D_ROPE)
     KV_FP8: tl.constexpr,
 ):
-    """[D_LATENT / 2] latent columns of half ``part`` (the module docstring's table)."""
-    c = tl.arange(0, D_LATENT // 2)
+    """[WIDTH / 2] columns of half ``part`` of columns FIRST .. FIRST + WIDTH - 1 (the module docstring's table)."""
+    c = tl.arange(0, WIDTH // 2)
     if KV_FP8:
-        return 2 * c + part
+        return FIRST + 2 * c + part
     else:
-        return part * (D_LATENT // 2) + c
+        return FIRST + part * (WIDTH // 2) + c
 
 
 @triton.jit
-def _latent_halves(
+def _cache_halves(
     row_ptrs,  # [BLOCK_N] pointers to cache rows
     live,  # [BLOCK_N]
-    D_LATENT: tl.constexpr,
+    FIRST: tl.constexpr,
+    WIDTH: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    """([BLOCK_N, D_LATENT / 2] half 0, half 1) of the cache rows' latent columns as dot
-    operands; rows past the range are 0."""
+    """([BLOCK_N, WIDTH / 2] half 0, half 1) of the cache rows' columns FIRST .. FIRST + WIDTH - 1
+    as dot operands; rows past the range are 0."""
     if KV_FP8:
-        pairs = tl.arange(0, D_LATENT // 2)
+        pairs = FIRST // 2 + tl.arange(0, WIDTH // 2)
         pair_rows = row_ptrs.to(tl.pointer_type(tl.uint16))  # a row starts at an even byte (launch_mla_attn)
         return e4m3_pairs_to_fp16(tl.load(pair_rows[:, None] + pairs[None, :], mask=live[:, None], other=0))
     else:
-        return (_load_cols(row_ptrs, live, _half_cols(0, D_LATENT, False), False),
-                _load_cols(row_ptrs, live, _half_cols(1, D_LATENT, False), False))
+        return (_load_cols(row_ptrs, live, _half_cols(0, FIRST, WIDTH, False), False),
+                _load_cols(row_ptrs, live, _half_cols(1, FIRST, WIDTH, False), False))
+
+
+@triton.jit
+def _query_halves(
+    q_rows,  # [BLOCK_H, 1] pointers to q's rows of the heads
+    live_h,  # [BLOCK_H, 1]
+    kv_scale,
+    FIRST: tl.constexpr,
+    WIDTH: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """([BLOCK_H, WIDTH / 2] half 0, half 1) of q's columns FIRST .. FIRST + WIDTH - 1 as the
+    score dot's operands (_query_operand), the halves _cache_halves takes."""
+    half_a = tl.load(q_rows + _half_cols(0, FIRST, WIDTH, KV_FP8)[None, :], mask=live_h, other=0.0)
+    half_b = tl.load(q_rows + _half_cols(1, FIRST, WIDTH, KV_FP8)[None, :], mask=live_h, other=0.0)
+    return _query_operand(half_a, kv_scale, KV_FP8), _query_operand(half_b, kv_scale, KV_FP8)
 
 
 @triton.jit
@@ -204,9 +258,10 @@ def _attend_step(
     l,  # [BLOCK_H] fp32 running sum
     acc_a,  # [BLOCK_H, D_LATENT / 2] fp32: o's half-0 columns (unscaled)
     acc_b,  # [BLOCK_H, D_LATENT / 2] fp32: half 1
-    q_a,  # [BLOCK_H, D_LATENT / 2] the score dot's operand (_query_operand), half 0
-    q_b,  # [BLOCK_H, D_LATENT / 2] half 1
-    q_rope,  # [BLOCK_H, D_ROPE]
+    q_a,  # [BLOCK_H, D_LATENT / 2] the score dot's operand (_query_operand), latent half 0
+    q_b,  # [BLOCK_H, D_LATENT / 2] latent half 1
+    q_rope_a,  # [BLOCK_H, D_ROPE / 2] rope half 0
+    q_rope_b,  # [BLOCK_H, D_ROPE / 2] rope half 1
     kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8 e4m3
     stride_kvp,
     stride_kvr,
@@ -221,15 +276,15 @@ def _attend_step(
     UPCAST: tl.constexpr,
 ):
     """One online-softmax step over positions pos0 .. pos0 + BLOCK_N - 1 (those < hi): (m, l, acc_a, acc_b)."""
-    rope = D_LATENT + tl.arange(0, D_ROPE)
     pos = pos0 + tl.arange(0, BLOCK_N)
     live = pos < hi
-    rows = _cache_rows(pos, live, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, PAGE_SIZE)
-    kv_a, kv_b = _latent_halves(rows, live, D_LATENT, KV_FP8)  # [BLOCK_N, D_LATENT / 2]: keys and values
-    kv_rope = _load_cols(rows, live, rope, KV_FP8)  # [BLOCK_N, D_ROPE]
+    rows = _cache_rows(pos0, hi, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
+    kv_a, kv_b = _cache_halves(rows, live, 0, D_LATENT, KV_FP8)  # [BLOCK_N, D_LATENT / 2]: keys and values
+    rope_a, rope_b = _cache_halves(rows, live, D_LATENT, D_ROPE, KV_FP8)  # [BLOCK_N, D_ROPE / 2]: keys only
     score = dot_acc(q_a, tl.trans(kv_a), tl.zeros([q_a.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
     score = dot_acc(q_b, tl.trans(kv_b), score, UPCAST)
-    score = dot_acc(q_rope, tl.trans(kv_rope), score, UPCAST)
+    score = dot_acc(q_rope_a, tl.trans(rope_a), score, UPCAST)
+    score = dot_acc(q_rope_b, tl.trans(rope_b), score, UPCAST)
     score = tl.where(live[None, :], score * scale, float("-inf"))
     # The first position of every step is live, so m_new is finite.
     m_new = tl.maximum(m, tl.max(score, axis=1))
@@ -282,18 +337,16 @@ def mla_attn_task(
     kernels/mono.py runs it as the M1C tasks of an MLA layer's launch."""
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     live_h = heads < HEADS
-    cols_a = _half_cols(0, D_LATENT, KV_FP8)
-    cols_b = _half_cols(1, D_LATENT, KV_FP8)
-    rope = D_LATENT + tl.arange(0, D_ROPE)
+    cols_a = _half_cols(0, 0, D_LATENT, KV_FP8)
+    cols_b = _half_cols(1, 0, D_LATENT, KV_FP8)
 
     b = _request_of(s, qsl_ptr, B, BP)
     lo, hi = _split_range(s, k, b, qsl_ptr, seq_lens_ptr, SPLITS)
     first_slot = tl.load(indptr_ptr + b)
 
     q_rows = q_ptr + s * stride_qs + heads[:, None] * stride_qh
-    q_a = _query_operand(tl.load(q_rows + cols_a[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
-    q_b = _query_operand(tl.load(q_rows + cols_b[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
-    q_rope = _query_operand(tl.load(q_rows + rope[None, :], mask=live_h[:, None], other=0.0), kv_scale, KV_FP8)
+    q_a, q_b = _query_halves(q_rows, live_h[:, None], kv_scale, 0, D_LATENT, KV_FP8)
+    q_rope_a, q_rope_b = _query_halves(q_rows, live_h[:, None], kv_scale, D_LATENT, D_ROPE, KV_FP8)
 
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -302,17 +355,17 @@ def mla_attn_task(
     if RANGE_BY_WHILE:
         pos0 = lo
         while pos0 < hi:
-            m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope, kv_ptr, stride_kvp,
-                                              stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE,
-                                              BLOCK_N, KV_FP8, UPCAST)
+            m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope_a, q_rope_b, kv_ptr,
+                                              stride_kvp, stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE,
+                                              D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
             pos0 += BLOCK_N
     else:
         # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
         # loads in flight (a while loop streams one step at a time).
         for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope, kv_ptr, stride_kvp,
-                                              stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE, D_LATENT, D_ROPE,
-                                              BLOCK_N, KV_FP8, UPCAST)
+            m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope_a, q_rope_b, kv_ptr,
+                                              stride_kvp, stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE,
+                                              D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
 
     seen = l > 0
     if KV_FP8:
@@ -370,9 +423,9 @@ def shape_text(t) -> str:
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def check_width(name: str, what: str, width: int) -> None:
-    if width < DOT_MIN or width & (width - 1):
-        raise K3InputError(f"{name}: expected {what} a power of two >= {DOT_MIN}, got {width}")
+def check_width(name: str, what: str, width: int, least: int = DOT_MIN) -> None:
+    if width < least or width & (width - 1):
+        raise K3InputError(f"{name}: expected {what} a power of two >= {least}, got {width}")
 
 
 def check_operand_scale(name: str, t: torch.Tensor, scale: float) -> None:
@@ -420,8 +473,8 @@ def check_mla_attn_args(q, kv, qsl, seq_lens, pages, indptr, o, lse, kv_scale) -
         raise K3InputError(f"o: expected at least 1 split, got shape {shape_text(o)}")
     expect_tensor("o", o, (splits, tokens, heads, latent), torch.float32)
     expect_tensor("lse", lse, (splits, tokens, heads), torch.float32)
-    check_width("o", "DL (the latent width)", latent)
-    check_width("q", "DQK - DL (the positional width)", dqk - latent)
+    check_width("o", "DL (the latent width)", latent, HALVES_MIN)
+    check_width("q", "DQK - DL (the positional width)", dqk - latent, HALVES_MIN)
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1:
         raise K3InputError(f"seq_lens: expected shape [B], got {shape_text(seq_lens)}")
     requests = seq_lens.shape[0]
