@@ -43,7 +43,10 @@
 # folded in and not) and traced; l2_reads: the dense tile from L2 against HBM, o_proj's step at S = 2, 4, the S = 1
 # checks; oproj_check: the o_proj step's defaults checked at S = 4, 8, and the MLA layer at S = 1; prefetch_mask: the
 # always-prefetched kinds' mask checked with all three on; m1b_tasks: M1b checked, timed against $K3MONO_BASES' trees and
-# traced; m1b_short_tiles: M1b alone at other short-combine tiles;
+# traced; m1b_short_tiles: M1b alone at other short-combine tiles; m1c_convert: M1c's trimmed step checked and timed
+# against $K3MONO_BASE's tree; m1c_tile64: M1c's fp8 tile of 64 positions at 2 stages checked, tiles, the MLA rows
+# against $K3MONO_BASE's tree; mla_layers: the MLA layer three ways here and in $K3MONO_BASE's tree; mla_fold_tile:
+# the fold at its own tile checked and the layer three ways timed; m1b_sleep: the M1b fold with pausing pollers;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -443,9 +446,9 @@ for s in $STEPS; do
         step shared_late_s2_4_8 200 $MONO --tokens 2 4 8 --shared-late 0 1 ;;
     mla_check_one)  # the MLA check's one case: fp8 cache, 32 K, S = 1 (staged and the folds)
         step gpu_check_mla_one 300 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 32768 --kv fp8 ;;
-    m1c_profile)  # Nsight Compute counters of M1c alone: fp8, 32 K, S = 4, 66 splits, the default tile
+    m1c_profile)  # Nsight Compute counters of M1c alone: fp8, 32 K, S = 4, 66 splits, the default tile (64 x 2)
         step m1c_profile 120 ncu --clock-control none --launch-count 1 --kernel-name regex:_mla_attn $NCU_SECTIONS \
-            python3 benchmarks/m1c_tiles.py --tokens 4 --block-n 32 --stages 3 --warps 4 --budget-s 20 ;;
+            python3 benchmarks/m1c_tiles.py --tokens 4 --splits 66 --block-n 64 --stages 2 --warps 4 --budget-s 20 ;;
     m1c_halves)  # M1c alone at 32 K, the latent dims in two halves (fp8: e4m3 column pairs): tiles, fp8 and bf16
         step m1c_halves_fp8 200 python3 benchmarks/m1c_tiles.py --tokens 1 4 16 --kv fp8 --block-n 32 64 --stages 2 3 \
             --warps 4 --budget-s 170
