@@ -163,6 +163,8 @@ def _step_pages(
     if PAGE_SIZE >= BLOCK_N:
         near = pos0 // PAGE_SIZE
         last = (tl.minimum(pos0 + BLOCK_N, hi) - 1) // PAGE_SIZE
+        # Unmasked: a step the loop runs has pos0 < hi, so both name the request's pages, and the
+        # pipeliner predicates the loads of steps it issues ahead (a mask: 17 more instructions a step)
         near_page = tl.load(pages_ptr + first_slot + near)
         far_page = tl.load(pages_ptr + first_slot + last)  # near_page again within one page
         return tl.where(pos // PAGE_SIZE == near, near_page, far_page)
