@@ -610,6 +610,7 @@ class M1cGeometry:
 
 
 def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cShape) -> M1cGeometry:
+    block_n, stages = attn_steps(shape.kv_fp8, folded=True)
     return M1cGeometry(
         heads=cfg.num_attention_heads // tp,
         tokens=tokens,
@@ -620,8 +621,8 @@ def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cS
         requests=shape.requests,
         kv_fp8=shape.kv_fp8,
         block_h=ATTN_BLOCK_H,
-        block_n=attn_steps(shape.kv_fp8, folded=True)[0],
-        stages=attn_steps(shape.kv_fp8, folded=True)[1],
+        block_n=block_n,
+        stages=stages,
     )
 
 
