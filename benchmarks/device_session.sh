@@ -46,7 +46,8 @@
 # traced; m1b_short_tiles: M1b alone at other short-combine tiles; m1c_convert: M1c's trimmed step checked and timed
 # against $K3MONO_BASE's tree; m1c_tile64: M1c's fp8 tile of 64 positions at 2 stages checked, tiles, the MLA rows
 # against $K3MONO_BASE's tree; mla_layers: the MLA layer three ways here and in $K3MONO_BASE's tree; mla_fold_tile:
-# the fold at its own tile checked and the layer three ways timed; m1b_sleep: the M1b fold with pausing pollers;
+# the fold at its own tile checked and the layer three ways timed; m1c_deep: M1c alone at 5 and 7 pipeline stages;
+# m1b_sleep: the M1b fold with pausing pollers;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -231,6 +232,12 @@ for s in $STEPS; do
             --out "$RESULTS"
         step m1c_tile64_bench_base 120 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && \
             PYTHONPATH=\$PWD python3 -m k3mono bench --tp --tokens 1 4 16 --mla --contexts 32768 --kv fp8" ;;
+    m1c_deep)  # M1c alone at 32 K at the first pipeline depths that keep copies in flight while a step computes
+        # (planner.ATTN_STAGES: 5 stages one step, 7 at 32 positions two) against the defaults
+        step m1c_deep_fp8 100 python3 benchmarks/m1c_tiles.py --kv fp8 --block-n 64 32 --stages 2 5 7 --warps 4 \
+            --budget-s 90
+        step m1c_deep_bf16 60 python3 benchmarks/m1c_tiles.py --kv bf16 --block-n 32 --stages 3 5 7 --warps 4 \
+            --budget-s 50 ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
         # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
         step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8

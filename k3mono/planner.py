@@ -30,8 +30,8 @@ kernel file holds no magic numbers. Why these values:
   w_v tile is read once a launch (``M1bGeometry``).
 * M1c (the MLA decode attention, kernels/mla_attn.py) cuts the work into one
   task (or program) a query token, context split and ``ATTN_BLOCK_H`` heads,
-  ``attn_steps``: context positions a step and steps in flight, by the cache's
-  dtype (``M1cGeometry``).
+  ``attn_steps``: context positions a step and the context loop's pipeline
+  stages, by the cache's dtype (``M1cGeometry``).
 """
 
 from __future__ import annotations
@@ -426,10 +426,17 @@ tile is 32 KB of shared memory, and the fp32 accumulator [16, 512] another 32 KB
 registers (64 a thread at 4 warps)."""
 
 ATTN_STAGES = 3
-"""M1c steps in flight over a bf16 cache (the context loop's software pipeline):
-one SM streams a split alone at S = 1, and a step (32 cache rows, 36 KB) covers
-about a microsecond of HBM latency only if the next two are already loading;
-three 36 KB stages still fit the 227 KB of an SM."""
+"""The context loop's num_stages over a bf16 cache (Triton's software pipeline).
+Not the steps in flight: a step loads its own page ids (kernels/mla_attn.py
+_step_pages), the cache rows' addresses depend on them, and the pipeliner gives
+those ids a stage of their own. At 2 to 4 stages the loop then waits for every
+copy at its top (async_wait 0 in the TTGIR) and issues the next step's cache
+copies after the step's dots: no copy is in flight while a step computes, and
+2 programs a SM overlap one's compute with the other's wait. 5 stages keep one
+step in flight (async_wait 4), 7 at 32 positions two (offline sm_90a builds,
+docs/PERF.md, twenty-eighth session). Timed at 32 positions, 3 stages beat 2
+over a bf16 cache on an H100 (24.0 against 25.6 us at S = 1) and 4 matched 3
+over an fp8 one (tenth to sixteenth sessions); 5 and 7 were not timed."""
 
 ATTN_FP8_BLOCK_N = 64
 """Context positions an M1c step covers over an fp8 cache: 36 KB a step, as a bf16
@@ -440,13 +447,16 @@ stages (one H100, docs/PERF.md, twenty-seventh session); before that change 64
 positions lost at S = 4 and 16 (sixteenth session)."""
 
 ATTN_FP8_STAGES = 2
-"""M1c steps in flight over an fp8 cache: two 36 KB steps of ATTN_FP8_BLOCK_N
-positions, the bytes three bf16 steps keep in flight less one; 2 programs a SM
-still fit (255 registers)."""
+"""The context loop's num_stages over an fp8 cache. As ATTN_STAGES says, 2 to 4
+keep no copy in flight while a step computes: at 64 positions one 36 KB buffer
+(57,600 B of shared memory at 2 stages, 57,620 at 3 and 4; 2 programs a SM at
+255 registers). 3 stages were 1.1 to 16 us slower than 2 on an H100 (S = 1 to
+16, twenty-seventh session). 5 stages (94,488 B) keep one step in flight; not
+timed."""
 
 
 def attn_steps(kv_fp8: bool, folded: bool = False) -> tuple[int, int]:
-    """(positions a step, steps in flight) of M1c over an fp8 or a bf16 cache,
+    """(positions a step, the context loop's num_stages) of M1c over an fp8 or a bf16 cache,
     launched alone or ``folded`` into the mono launch as its M1C tasks. Folded, an
     fp8 cache keeps ATTN_BLOCK_N and ATTN_STAGES: the mono build's registers are
     the launch's (168 a thread from 3 CTAs a SM), and 64-position steps spilled in

@@ -331,7 +331,7 @@ def mla_attn_task(
     SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,  # steps of the context loop in flight (software pipeline)
+    STAGES: tl.constexpr,  # the context loop's num_stages (software pipeline; planner.ATTN_STAGES)
     KV_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -362,8 +362,10 @@ def mla_attn_task(
                                               D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
             pos0 += BLOCK_N
     else:
-        # A for loop: the pipeliner keeps STAGES - 1 steps' page-id and cache-row
-        # loads in flight (a while loop streams one step at a time).
+        # A for loop, software-pipelined (a while loop streams one step at a time). The page
+        # ids take a stage of their own (the rows' addresses need them), so below 5 stages
+        # every copy is waited for at the loop's top: none in flight while a step computes
+        # (planner.ATTN_STAGES).
         for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope_a, q_rope_b, kv_ptr,
                                               stride_kvp, stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE,
