@@ -434,9 +434,9 @@ copy at its top (async_wait 0 in the TTGIR) and issues the next step's cache
 copies after the step's dots: no copy is in flight while a step computes, and
 2 programs a SM overlap one's compute with the other's wait. 5 stages keep one
 step in flight (async_wait 4), 7 at 32 positions two (offline sm_90a builds,
-docs/PERF.md, twenty-eighth session). Timed at 32 positions, 3 stages beat 2
-over a bf16 cache on an H100 (24.0 against 25.6 us at S = 1) and 4 matched 3
-over an fp8 one (tenth to sixteenth sessions); 5 and 7 were not timed."""
+docs/PERF.md, twenty-eighth session). Timed at 32 positions on H100s, 3 stages
+beat 2 over a bf16 cache (24.0 against 25.6 us at S = 1, sixteenth session) and
+4 matched 3 over an fp8 one (seventeenth); 5 and 7 were not timed."""
 
 ATTN_FP8_BLOCK_N = 64
 """Context positions an M1c step covers over an fp8 cache: 36 KB a step, as a bf16
