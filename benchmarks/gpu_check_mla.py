@@ -72,8 +72,12 @@ def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int
         outs.append(runner.result(0).moe_out)
     same = all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
     ok = problem is None and same and bool(torch.isfinite(outs[0].float()).all())
+    scale = outs[0].float().abs().max().clamp_min(1e-30)
+    apart = "" if same else " ".join(f"{name} {float((o.float() - outs[0].float()).abs().max() / scale):.1e}"
+                                     for name, o in zip(("m1b", "m1c"), outs[1:]))
     print(f"MLA layer three ways {kv_dtype:>4} ctx {context:>6} S={tokens:>2} {splits:>3} splits: "
-          f"{'same bits' if same else 'DIFFER'} {problem or ''} {'ok' if ok else 'FAIL'}", flush=True)
+          f"{'same bits' if same else 'DIFFER (max |way - separate| / max |separate|: ' + apart + ')'} "
+          f"{problem or ''} {'ok' if ok else 'FAIL'}", flush=True)
     return ok
 
 
