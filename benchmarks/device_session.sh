@@ -241,10 +241,10 @@ for s in $STEPS; do
             --budget-s 50 ;;
     m1c_fold_bits)  # the MLA layer three ways over an fp8 cache (5000 positions, S = 4) with the folded M1C tasks
         # at 3 stages (planner.ATTN_STAGES) and at 2: which way differs from the separate launches, and how far
-        step m1c_fold_bits_3 110 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8
+        step m1c_fold_bits_3 110 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8 --rounds 3
         step m1c_fold_bits_2 110 python3 -c "import runpy, sys; import k3mono.planner as planner; \
             planner.ATTN_STAGES = 2; sys.argv = ['gpu_check_mla.py', '--tokens', '4', '--contexts', '5000', \
-            '--kv', 'fp8']; runpy.run_path('benchmarks/gpu_check_mla.py', run_name='__main__')" ;;
+            '--kv', 'fp8', '--rounds', '3']; runpy.run_path('benchmarks/gpu_check_mla.py', run_name='__main__')" ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
         # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
         step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8

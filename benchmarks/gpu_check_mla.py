@@ -9,7 +9,8 @@ DV 128), bf16 and fp8 caches, contexts of 1 K, 32 K and 128 K positions:
   loopback; the separate M1c at the folded M1C tasks' tile, planner.attn_steps),
   outputs poisoned first: the same bits, no NaN, no timeout.
 
-    python benchmarks/gpu_check_mla.py [--tokens 1 4] [--contexts 1024 32768 131072] [--splits 0 16] [--device cuda]
+    python benchmarks/gpu_check_mla.py [--tokens 1 4] [--contexts 1024 32768 131072] [--splits 0 16] [--rounds 3]
+        [--device cuda]
 
 ``--device cpu`` runs the same under the Triton interpreter (small contexts
 only). Prints one line per case and exits non-zero on any failure.
@@ -52,32 +53,39 @@ def staged_case(tokens: int, context: int, kv_dtype: str, device) -> bool:
     return ok
 
 
-def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int | None) -> bool:
+def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int | None, rounds: int = 1) -> bool:
     from k3mono.bench_mla import fused_splits, mla_fused_calls
     from k3mono.mono import device_sms
 
     splits = splits or fused_splits(tokens, device_sms(shard.o_proj.device))
     calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13, splits=splits,
                             folded_tile=True)
-    outs, problem = [], None
-    for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
-        runner.poison()
-        calls[name]()
-        try:
-            if shard.o_proj.device.type == "cuda":
-                torch.cuda.synchronize()
-            runner.check_health()
-        except RuntimeError as error:
-            problem = f"{name}: {error}"
-        outs.append(runner.result(0).moe_out)
-    same = all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
-    ok = problem is None and same and bool(torch.isfinite(outs[0].float()).all())
+    names = ("separate", "m1b", "m1c")
+    runs, problem = {name: [] for name in names}, None
+    for _ in range(rounds):
+        for name, runner in zip(names, calls["runners"]):
+            runner.poison()
+            calls[name]()
+            try:
+                if shard.o_proj.device.type == "cuda":
+                    torch.cuda.synchronize()
+                runner.check_health()
+            except RuntimeError as error:
+                problem = problem or f"{name}: {error}"
+            runs[name].append(runner.result(0).moe_out.clone())
+    bits = {name: [o.view(torch.int16) for o in outs] for name, outs in runs.items()}
+    outs = [runs[name][0] for name in names]
+    same = all(torch.equal(bits[name][0], bits["separate"][0]) for name in names[1:])
+    repeats = {name: all(torch.equal(b, bits[name][0]) for b in bits[name][1:]) for name in names}
+    ok = problem is None and same and all(repeats.values()) and bool(torch.isfinite(outs[0].float()).all())
     scale = outs[0].float().abs().max().clamp_min(1e-30)
     apart = "" if same else " ".join(f"{name} {float((o.float() - outs[0].float()).abs().max() / scale):.1e}"
-                                     for name, o in zip(("m1b", "m1c"), outs[1:]))
+                                     for name, o in zip(names[1:], outs[1:]))
+    repeat_note = "" if rounds == 1 else " rounds: " + ", ".join(
+        f"{name} {'same' if repeats[name] else 'DIFFER'}" for name in names)
     print(f"MLA layer three ways {kv_dtype:>4} ctx {context:>6} S={tokens:>2} {splits:>3} splits: "
-          f"{'same bits' if same else 'DIFFER (max |way - separate| / max |separate|: ' + apart + ')'} "
-          f"{problem or ''} {'ok' if ok else 'FAIL'}", flush=True)
+          f"{'same bits' if same else 'DIFFER (max |way - separate| / max |separate|: ' + apart + ')'}"
+          f"{repeat_note} {problem or ''} {'ok' if ok else 'FAIL'}", flush=True)
     return ok
 
 
@@ -91,6 +99,8 @@ def main() -> int:
     parser.add_argument("--splits", type=int, nargs="+", default=[0],
                         help="the three ways' M1c splits (0: bench_mla.fused_splits'; at most "
                              "planner.BACK_SHORT_SPLITS take M1b's short combine)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="each way's runs: every round the same bits as the first, too")
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -107,7 +117,7 @@ def main() -> int:
             for kv_dtype in args.kv:
                 failures += not staged_case(tokens, context, kv_dtype, device)
                 for splits in args.splits:
-                    failures += not fused_case(cfg, shard, tokens, context, kv_dtype, splits or None)
+                    failures += not fused_case(cfg, shard, tokens, context, kv_dtype, splits or None, args.rounds)
                 print(f"  ({time.time() - started:.0f} s in)", flush=True)
     print(f"gpu_check_mla: {'all ok' if not failures else f'{failures} FAILED'} ({time.time() - started:.0f} s)")
     return 1 if failures else 0
