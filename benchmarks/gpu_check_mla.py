@@ -7,7 +7,8 @@ DV 128), bf16 and fp8 caches, contexts of 1 K, 32 K and 128 K positions:
 * an MLA layer three ways (bench_mla.mla_fused_calls: M1c, M1b and the launch
   separately; M1b folded in; M1c and M1b folded in; rank 0 of TP8 in
   loopback; the separate M1c at the folded M1C tasks' tile, planner.attn_steps),
-  outputs poisoned first: the same bits, no NaN, no timeout.
+  outputs poisoned first: the same bits, no NaN, no timeout; with ``--rounds``
+  the three ways loaded and run again, each round the first round's bits.
 
     python benchmarks/gpu_check_mla.py [--tokens 1 4] [--contexts 1024 32768 131072] [--splits 0 16] [--rounds 3]
         [--device cuda]
@@ -58,11 +59,13 @@ def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int
     from k3mono.mono import device_sms
 
     splits = splits or fused_splits(tokens, device_sms(shard.o_proj.device))
-    calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13, splits=splits,
-                            folded_tile=True)
     names = ("separate", "m1b", "m1c")
     runs, problem = {name: [] for name in names}, None
     for _ in range(rounds):
+        # loaded afresh each round: a launch updates its copy of prefix in place (AttnRes), so a second
+        # launch on the same loads is another computation
+        calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13, splits=splits,
+                                folded_tile=True)
         for name, runner in zip(names, calls["runners"]):
             runner.poison()
             calls[name]()
