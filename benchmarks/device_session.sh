@@ -47,7 +47,8 @@
 # against $K3MONO_BASE's tree; m1c_tile64: M1c's fp8 tile of 64 positions at 2 stages checked, tiles, the MLA rows
 # against $K3MONO_BASE's tree; mla_layers: the MLA layer three ways here and in $K3MONO_BASE's tree; mla_fold_tile:
 # the fold at its own tile checked and the layer three ways timed; m1c_deep: M1c alone at 5 and 7 pipeline stages;
-# m1c_fold_bits: the fp8 MLA layer three ways with the folded M1C tasks at 3 and 2 stages;
+# m1c_fold_bits: the fp8 MLA layer three ways with the folded M1C tasks at 3 and 2 stages (and at 3 in
+# $K3MONO_BASE's tree where set);
 # m1b_sleep: the M1b fold with pausing pollers;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -240,8 +241,13 @@ for s in $STEPS; do
         step m1c_deep_bf16 60 python3 benchmarks/m1c_tiles.py --kv bf16 --block-n 32 --stages 3 5 7 --warps 4 \
             --budget-s 50 ;;
     m1c_fold_bits)  # the MLA layer three ways over an fp8 cache (5000 positions, S = 4) with the folded M1C tasks
-        # at 3 stages (planner.ATTN_STAGES) and at 2: which way differs from the separate launches, and how far
+        # at 3 stages (planner.ATTN_STAGES), the same in $K3MONO_BASE's tree where set, then here at 2: which way
+        # differs from the separate launches, how far, and whether a way differs from itself over 3 rounds
         step m1c_fold_bits_3 110 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8 --rounds 3
+        if [[ -n "${K3MONO_BASE:-}" ]]; then
+            step m1c_fold_bits_base 110 bash -c "cd '$K3MONO_BASE' && PYTHONPATH=\$PWD python3 \
+                '$PWD/benchmarks/gpu_check_mla.py' --tokens 4 --contexts 5000 --kv fp8 --rounds 3"
+        fi
         step m1c_fold_bits_2 110 python3 -c "import runpy, sys; import k3mono.planner as planner; \
             planner.ATTN_STAGES = 2; sys.argv = ['gpu_check_mla.py', '--tokens', '4', '--contexts', '5000', \
             '--kv', 'fp8', '--rounds', '3']; runpy.run_path('benchmarks/gpu_check_mla.py', run_name='__main__')" ;;
