@@ -4,7 +4,8 @@ counts: what the KV stream reaches against the copy bandwidth (issue 7's target:
 the same splits (the online softmax's other step boundaries round otherwise:
 within MAX_REL_DIFF), so a tile that is fast and wrong cannot win; the default
 tile's o against the float64 reference (within runner.BUDGET_FACTOR times the
-bf16 reference's error), so the tiles are not all wrong alike.
+bf16 reference's error), so the tiles are not all wrong alike. Exits non-zero if
+either check fails anywhere.
 
     python benchmarks/m1c_tiles.py [--tokens 1 4 16] [--context 32768] [--kv fp8 bf16]
         [--block-n 32 64] [--stages 2 3 4] [--warps 4 8] [--max-registers 0 168] [--splits 99 132 | --first-splits]
@@ -40,8 +41,8 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a[finite] - b[finite]).abs().max() / scale)
 
 
-def _default_tile_verdict(inputs, splits: int, o: torch.Tensor) -> str:
-    """The default tile's o against the float64 reference: 'ok' within the error budget, else 'FAIL'."""
+def _default_tile_verdict(inputs, splits: int, o: torch.Tensor) -> tuple[bool, str]:
+    """The default tile's o against the float64 reference: (within the error budget, a line to print)."""
     from k3mono.reference import mla as ref
     from k3mono.runner import BUDGET_FACTOR, rel_err
 
@@ -49,10 +50,10 @@ def _default_tile_verdict(inputs, splits: int, o: torch.Tensor) -> str:
     exact, _ = ref.mla_attn(*args, kv_scale=inputs.kv_scale, mode="oracle")
     want, _ = ref.mla_attn(*args, kv_scale=inputs.kv_scale, mode="bf16")
     err, budget = rel_err(o, exact), BUDGET_FACTOR * rel_err(want, exact)
-    return f"o err {err:.2e} (budget {budget:.2e}) {'ok' if err <= budget else 'FAIL'}"
+    return err <= budget, f"o err {err:.2e} (budget {budget:.2e}) {'ok' if err <= budget else 'FAIL'}"
 
 
-def main() -> None:
+def main() -> int:
     from k3mono.bench_mla import attn_call, rotation
     from k3mono.mla import attn_tile
     from k3mono.timing import copy_bandwidth, time_graph
@@ -72,7 +73,7 @@ def main() -> None:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    started = time.time()
+    started, failures = time.time(), 0
     for kv, tokens in itertools.product(args.kv, args.tokens):
         sets = rotation(tokens, args.context, kv, device)
         print(f"{kv}: default tile {attn_tile(sets[0].kv)}", flush=True)
@@ -80,15 +81,17 @@ def main() -> None:
         split_counts = args.splits or SPLITS_BY_TOKENS.get(tokens, (16,))
         for splits in split_counts[:1] if args.first_splits else split_counts:
             default_call, o_ref, lse_ref = attn_call(sets[0], splits)
+            o_ref.fill_(float("nan"))
             default_call()
             o_ref, lse_ref = o_ref.clone(), lse_ref.clone()
-            print(f"{kv} S={tokens:>2} splits {splits:>3} default tile against the reference: "
-                  f"{_default_tile_verdict(sets[0], splits, o_ref)}", flush=True)
+            within, line = _default_tile_verdict(sets[0], splits, o_ref)
+            failures += not within
+            print(f"{kv} S={tokens:>2} splits {splits:>3} default tile against the reference: {line}", flush=True)
             for block_n, stages, warps, cap in itertools.product(args.block_n, args.stages, args.warps,
                                                                  args.max_registers):
                 if time.time() - started > args.budget_s:
                     print("budget spent: stopping", flush=True)
-                    return
+                    return 1 if failures else 0
                 tile = dict(block_n=block_n, stages=stages, warps=warps, max_registers=cap or None)
                 label = (f"{kv} ctx {args.context} S={tokens:>2} splits {splits:>3} block_n {block_n} stages {stages} "
                          f"warps {warps} regs {cap or 'any'}")
@@ -103,11 +106,13 @@ def main() -> None:
                     print(f"{label}: FAIL {str(error).splitlines()[0]}", flush=True)
                     continue
                 verdict = "ok" if diff <= MAX_REL_DIFF else f"WRONG (diff {diff:.1e})"
+                failures += not diff <= MAX_REL_DIFF  # NaN counts
                 print(f"{label}: {1e6 * seconds:7.1f} us, {cache_bytes / seconds / bandwidth:4.0%} of copy, "
                       f"diff {diff:.1e} {verdict}", flush=True)
             torch.cuda.empty_cache()
         del sets
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
