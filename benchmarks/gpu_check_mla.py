@@ -30,14 +30,14 @@ def staged_case(tokens: int, context: int, kv_dtype: str, device) -> bool:
     from k3mono import mla
     from k3mono.bench_mla import FOLD_SPLITS, make_inputs
     from k3mono.reference import mla as ref
-    from k3mono.runner import BUDGET_FACTOR, rel_err
+    from k3mono.runner import error_and_budget
 
     x = make_inputs(tokens, context, kv_dtype, device, seed=context + tokens)
     args = (x.q, x.kv, x.qsl, x.seq_lens, x.pages, x.indptr, x.scale, x.w_v, x.gate)
     core = mla.mla_decode(*args, kv_scale=x.kv_scale, splits=FOLD_SPLITS)
     want = ref.mla_decode(*args, FOLD_SPLITS, kv_scale=x.kv_scale, mode="bf16")
     exact = ref.mla_decode(*args, FOLD_SPLITS, kv_scale=x.kv_scale, mode="oracle")
-    err, budget = rel_err(core, exact), BUDGET_FACTOR * rel_err(want, exact)
+    err, budget = error_and_budget(core, want, exact)
     replays_same = True
     if device.type == "cuda":
         graph = torch.cuda.CUDAGraph()

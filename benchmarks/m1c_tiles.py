@@ -44,12 +44,12 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def _default_tile_verdict(inputs, splits: int, o: torch.Tensor) -> tuple[bool, str]:
     """The default tile's o against the float64 reference: (within the error budget, a line to print)."""
     from k3mono.reference import mla as ref
-    from k3mono.runner import BUDGET_FACTOR, rel_err
+    from k3mono.runner import error_and_budget
 
     args = (inputs.q, inputs.kv, inputs.qsl, inputs.seq_lens, inputs.pages, inputs.indptr, inputs.scale, splits)
     exact, _ = ref.mla_attn(*args, kv_scale=inputs.kv_scale, mode="oracle")
     want, _ = ref.mla_attn(*args, kv_scale=inputs.kv_scale, mode="bf16")
-    err, budget = rel_err(o, exact), BUDGET_FACTOR * rel_err(want, exact)
+    err, budget = error_and_budget(o, want, exact)
     return err <= budget, f"o err {err:.2e} (budget {budget:.2e}) {'ok' if err <= budget else 'FAIL'}"
 
 

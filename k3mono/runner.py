@@ -148,6 +148,12 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.to(want.device).double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
+def error_and_budget(got: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """got's relative error against the float64 oracle ``exact``, and the most it may be:
+    BUDGET_FACTOR times the bf16 ``reference``'s own error against ``exact``."""
+    return rel_err(got, exact), BUDGET_FACTOR * rel_err(reference, exact)
+
+
 class Oracle:
     """The float64 oracle and the bf16 reference's error against it, for one input.
 

@@ -37,7 +37,7 @@ from k3mono.kernels.common import e4m3_pairs_to_fp16
 from k3mono.kernels.mla_attn import launch_mla_attn
 from k3mono.kernels.mla_back import _ordered_sum, launch_mla_back
 from k3mono.reference import mla as ref
-from k3mono.runner import BUDGET_FACTOR, rel_err
+from k3mono.runner import error_and_budget
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -124,7 +124,8 @@ def ref_back(batch: Batch, o, lse, mode: str):
 
 
 def assert_within_budget(name, got, reference, oracle, floor=0.0):
-    err, budget = rel_err(got, oracle), BUDGET_FACTOR * rel_err(reference, oracle) + floor
+    err, budget = error_and_budget(got, reference, oracle)
+    budget += floor
     assert err <= budget, f"{name}: error {err:.3e} against the oracle, budget {budget:.3e}"
 
 

@@ -32,22 +32,17 @@ from k3mono.kernels import mono as mono_kernels
 from k3mono.planner import (COL, MAX_WAITS, MONO_WARPS, SM_REGISTERS, M1bShape, MonoOptions, TaskKind, TileChoice,
                             expert_mma_tile, next_pow2)
 from k3mono.reference import layer_post_tp
+from k3mono.runner import error_and_budget
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
 from k3mono.weights import experts_in_f16_order_, shard_all
 
-BUDGET_FACTOR = 2.0
 NAMES = ("moe_out", "prefix", "route_ids", "route_weights")
 
 
 @functools.lru_cache(maxsize=None)
 def layer_weights(preset_name: str = "tiny", seed: int = 0):
     return random_layer(preset(preset_name), seed)
-
-
-def rel_err(got, want) -> float:
-    want = want.double()
-    return ((got.cpu().double() - want).norm() / want.norm()).item()
 
 
 def bits(t):
@@ -65,8 +60,7 @@ def check_against_reference(cfg, shards, inputs, layer, got):
     for name in ("moe_out", "prefix", "route_weights"):
         out = getattr(got, name)
         assert torch.isfinite(out.float()).all(), name
-        budget = BUDGET_FACTOR * rel_err(getattr(ref, name), getattr(exact, name))
-        err = rel_err(out, getattr(exact, name))
+        err, budget = error_and_budget(out, getattr(ref, name), getattr(exact, name))
         assert err <= budget, f"{name}: error {err:.3g} against the oracle, budget {budget:.3g}"
 
 

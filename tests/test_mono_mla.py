@@ -36,7 +36,7 @@ from k3mono.mono import MonoRunner
 from k3mono.planner import M1bShape, M1cShape, MonoOptions, TileChoice
 from k3mono.reference import layer_post, layer_post_tp
 from k3mono.reference import mla as ref_mla
-from k3mono.runner import BUDGET_FACTOR, rel_err
+from k3mono.runner import error_and_budget
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
 from k3mono.weights import shard_all
@@ -138,8 +138,7 @@ def judge_chain(cfg, weights, shards, act, got, core, exact_core, layer=LAYER):
     for name in ("moe_out", "prefix", "route_weights"):
         out = getattr(got, name)
         assert torch.isfinite(out.float()).all(), name
-        budget = BUDGET_FACTOR * rel_err(getattr(want, name), getattr(exact, name))
-        err = rel_err(out, getattr(exact, name))
+        err, budget = error_and_budget(out, getattr(want, name), getattr(exact, name))
         assert err <= budget, f"{name}: error {err:.3g} against the oracle chain, budget {budget:.3g}"
 
 

@@ -17,22 +17,17 @@ import torch
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.reference import layer_post_tp
+from k3mono.runner import error_and_budget
 from k3mono.staged import StagedLayer
 from k3mono.synthetic import random_inputs, random_layer
 from k3mono.weights import shard_all
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-BUDGET_FACTOR = 2.0
 
 
 @functools.lru_cache(maxsize=None)
 def layer_weights(preset_name: str = "tiny", seed: int = 0):
     return random_layer(preset(preset_name), seed)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.double()
-    return ((got.cpu().double() - want).norm() / want.norm()).item()
 
 
 def staged_layer(cfg, weights, tp, tokens, layer):
@@ -68,8 +63,7 @@ def test_staged_matches_the_tp_reference(tp, tokens, layer):
         out = getattr(got, name)
         assert out.dtype == (torch.float32 if name == "route_weights" else torch.bfloat16), name
         assert torch.isfinite(out.float()).all(), name
-        budget = BUDGET_FACTOR * rel_err(getattr(ref, name), getattr(exact, name))
-        err = rel_err(out, getattr(exact, name))
+        err, budget = error_and_budget(out, getattr(ref, name), getattr(exact, name))
         assert err <= budget, f"{name}: error {err:.3g} against the oracle, budget {budget:.3g}"
 
     first = staged.rank_results()[0]
