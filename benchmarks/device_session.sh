@@ -47,6 +47,7 @@
 # against $K3MONO_BASE's tree; m1c_tile64: M1c's fp8 tile of 64 positions at 2 stages checked, tiles, the MLA rows
 # against $K3MONO_BASE's tree; mla_layers: the MLA layer three ways here and in $K3MONO_BASE's tree; mla_fold_tile:
 # the fold at its own tile checked and the layer three ways timed; m1c_deep: M1c alone at 5 and 7 pipeline stages;
+# m1c_stages: M1c with page ids a step ahead at 2 to 4 stages against $K3MONO_BASE's tree, then checked;
 # m1c_fold_bits: the fp8 MLA layer three ways with the folded M1C tasks at 3 and 2 stages (and at 3 in
 # $K3MONO_BASE's tree where set);
 # m1b_sleep: the M1b fold with pausing pollers;
@@ -240,6 +241,19 @@ for s in $STEPS; do
             --budget-s 90
         step m1c_deep_bf16 60 python3 benchmarks/m1c_tiles.py --kv bf16 --block-n 32 --stages 3 5 7 --warps 4 \
             --budget-s 50 ;;
+    m1c_stages)  # M1c with each step's page ids loaded a step ahead (3 stages: one step in flight): alone at
+        # 32 K, fp8 at 2 to 4 stages here and at 2 and 5 (one step in flight there) in $K3MONO_BASE's tree (this
+        # tree's script), bf16 the same way; then checked (fp8 pages straddled at S = 4, bf16 at S = 1; the three
+        # ways the same bits)
+        tiles="python3 $PWD/benchmarks/m1c_tiles.py --first-splits --warps 4"
+        step m1c_stages_fp8_new 120 $tiles --kv fp8 --block-n 64 32 --stages 2 3 4 --budget-s 110
+        step m1c_stages_fp8_base 60 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && PYTHONPATH=\$PWD \
+            $tiles --kv fp8 --block-n 64 --stages 2 5 --budget-s 50"
+        step m1c_stages_bf16_new 50 $tiles --kv bf16 --block-n 32 --stages 3 4 --budget-s 45
+        step m1c_stages_bf16_base 50 bash -c "cd '$K3MONO_BASE' && PYTHONPATH=\$PWD $tiles --kv bf16 --block-n 32 \
+            --stages 3 5 --budget-s 45"
+        step m1c_stages_check_fp8 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8
+        step m1c_stages_check_bf16 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv bf16 ;;
     m1c_fold_bits)  # the MLA layer three ways over an fp8 cache (5000 positions, S = 4) with the folded M1C tasks
         # at 3 stages (planner.ATTN_STAGES), the same in $K3MONO_BASE's tree where set, then here at 2: which way
         # differs from the separate launches, how far, and whether a way differs from itself over 3 rounds

@@ -118,6 +118,16 @@ def stack_traffic(compiled) -> tuple[int, list[int]]:
     return (spills[-1] if spills else 0), [n for n in spills[:-1] if n]
 
 
+_ASYNC_WAIT = re.compile(r"ttg\.async_wait.*?\{num = (\d+) : i32\}")
+
+
+def copies_left_in_flight(compiled) -> int:
+    """The most cp.async groups any wait of the build leaves in flight (the TTGIR's
+    async_wait num): 0 when every wait drains every copy, as a pipelined loop does
+    whose copies' addresses need a load of their own step."""
+    return max((int(n) for n in _ASYNC_WAIT.findall(compiled.asm["ttgir"])), default=0)
+
+
 def opcode_counts(body: list[str]) -> Counter:
     """Opcodes by their base name (IMAD.SHL.U32 -> IMAD.SHL, LDG.E.128 -> LDG)."""
     def base(op: str) -> str:
@@ -182,12 +192,13 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     return build_launch(mono_kernels._mono_kernel, rank.launch)
 
 
-def m1c_build(kv_dtype: str, tokens: int, splits: int, context: int):
-    """M1c alone as bench_mla launches it (one request a token, its default tile): (compiled, grid)."""
+def m1c_build(kv_dtype: str, tokens: int, splits: int, context: int, tile: dict | None = None):
+    """M1c alone as bench_mla launches it (one request a token; ``tile``: attn_call's, None its
+    default): (compiled, grid)."""
     from .bench_mla import attn_call, make_inputs
     from .kernels import mla_attn
 
-    call, _, _ = attn_call(make_inputs(tokens, context, kv_dtype, torch.device("cpu"), seed=0), splits)
+    call, _, _ = attn_call(make_inputs(tokens, context, kv_dtype, torch.device("cpu"), seed=0), splits, tile)
     return build_launch(mla_attn._mla_attn_kernel, call)
 
 

@@ -427,16 +427,24 @@ registers (64 a thread at 4 warps)."""
 
 ATTN_STAGES = 3
 """The context loop's num_stages over a bf16 cache (Triton's software pipeline).
-Not the steps in flight: a step loads its own page ids (kernels/mla_attn.py
-_step_pages), the cache rows' addresses depend on them, and the pipeliner gives
-those ids a stage of their own. At 2 to 4 stages the loop then waits for every
-copy at its top (async_wait 0 in the TTGIR) and issues the next step's cache
-copies after the step's dots: no copy is in flight while a step computes, and
-2 programs a SM overlap one's compute with the other's wait. 5 stages keep one
-step in flight (async_wait 4), 7 at 32 positions two (offline sm_90a builds,
-docs/PERF.md, twenty-eighth session). Timed at 32 positions on H100s, 3 stages
-beat 2 over a bf16 cache (24.0 against 25.6 us at S = 1, sixteenth session) and
-4 matched 3 over an fp8 one (seventeenth); 5 and 7 were not timed."""
+Each step loads the next step's page ids and carries them (kernels/mla_attn.py
+_page_pair), so its cache copies depend on no load of their own step and take
+the pipeline's first stage: 3 stages keep one step's copies in flight while a
+step computes (async_wait 4 in the TTGIR; 93,440 B of shared memory at 32
+positions, 2 programs a SM at 180 registers), 4 two (130,304 B, one program).
+Before, each step loaded its own ids, which took a stage of their own, and 2 to
+4 stages waited for every copy at the loop's top (offline sm_90a builds,
+docs/PERF.md, twenty-eighth session). Then, timed at 32 positions on H100s, 3
+stages beat 2 over a bf16 cache (24.0 against 25.6 us at S = 1, sixteenth
+session). With the ids a step ahead the bf16 cache's times did not move (32 K,
+one H100: 22.3 / 62.8 / 215.0 us at S = 1 / 4 / 16 against 21.8 / 63.9 / 219.5
+before; twenty-ninth session)."""
+
+ATTN_FOLDED_BF16_STAGES = 2
+"""The folded M1C tasks' num_stages over a bf16 cache: at 3 (ATTN_STAGES) their
+shared memory (93,440 B) leaves room for 2 CTAs a SM, and the mono launch plans
+3 from MANY_CTAS_MIN_TOKENS tokens (mono.default_ctas_per_sm); at 2 it takes
+56,576 B, as the fp8 tasks do at 3 (offline sm_90a, TP8, S = 16)."""
 
 ATTN_FP8_BLOCK_N = 64
 """Context positions an M1c step covers over an fp8 cache: 36 KB a step, as a bf16
@@ -446,13 +454,14 @@ copy at S = 16 and 65 % at S = 4, against 72 % and 56 % at 32 positions and 3
 stages (one H100, docs/PERF.md, twenty-seventh session); before that change 64
 positions lost at S = 4 and 16 (sixteenth session)."""
 
-ATTN_FP8_STAGES = 2
-"""The context loop's num_stages over an fp8 cache. As ATTN_STAGES says, 2 to 4
-keep no copy in flight while a step computes: at 64 positions one 36 KB buffer
-(57,600 B of shared memory at 2 stages, 57,620 at 3 and 4; 2 programs a SM at
-255 registers). 3 stages were 1.1 to 16 us slower than 2 on an H100 (S = 1 to
-16, twenty-seventh session). 5 stages (94,488 B) keep one step in flight; not
-timed."""
+ATTN_FP8_STAGES = 3
+"""The context loop's num_stages over an fp8 cache. With the page ids a step
+ahead (ATTN_STAGES), 3 stages at 64 positions keep one step's copies in flight
+(async_wait 2; 94,464 B of shared memory, 2 programs a SM at 255 registers).
+Timed at 32 K on an H100 (docs/PERF.md, twenty-ninth session): 23.9 / 46.8 /
+126.4 us at S = 1 / 4 / 16 (33 / 66 / 98 % of the copy) against 24.5 / 48.9 /
+146.5 at 2 stages and 27.0 / 56.0 / 153.1 at 4 (one program a SM), and the
+loop before (ids loaded in their own step) at 2 stages 23.7 / 47.3 / 149.3."""
 
 
 def attn_steps(kv_fp8: bool, folded: bool = False) -> tuple[int, int]:
@@ -463,8 +472,10 @@ def attn_steps(kv_fp8: bool, folded: bool = False) -> tuple[int, int]:
     the step loop (offline sm_90a, TP8: 5 stack accesses a step at S = 1, 183 at
     S = 16) and made the layer with M1c folded in slower on an H100 (fp8, 32 K:
     S = 1 157.1 -> 166.0 us, S = 16 637.6 -> 694.2; docs/PERF.md, twenty-seventh
-    session)."""
-    return (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES) if kv_fp8 and not folded else (ATTN_BLOCK_N, ATTN_STAGES)
+    session). Folded over a bf16 cache, ATTN_FOLDED_BF16_STAGES."""
+    if folded:
+        return ATTN_BLOCK_N, ATTN_STAGES if kv_fp8 else ATTN_FOLDED_BF16_STAGES
+    return (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES) if kv_fp8 else (ATTN_BLOCK_N, ATTN_STAGES)
 
 
 ATTN_WARPS = 4

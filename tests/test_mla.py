@@ -463,3 +463,34 @@ def test_m1b_short_combine_copies_its_first_steps_before_any_wait(run_compiled):
     store, the places where a thread would first wait on a load.
     Runs in a child process: the interpreter, on in this one, cannot compile."""
     run_compiled(_M1B_MEMORY_ORDER, timeout=300)
+
+
+_M1C_COPIES_IN_FLIGHT = textwrap.dedent(
+    """
+    from k3mono import mla, offline
+    from k3mono.config import MAX_TOKENS, preset
+    from k3mono.mono import default_ctas_per_sm
+    from k3mono.planner import attn_steps
+
+    for kv, folded in (("bf16", False), ("fp8", True)):
+        block_n, stages = attn_steps(kv == "fp8", folded)
+        compiled, _ = offline.m1c_build(kv, 4, 66, 4096, dict(block_n=block_n, stages=stages))
+        assert offline.copies_left_in_flight(compiled) > 0, (kv, folded)
+    cfg = preset("kimi-k3")
+    for kv in ("fp8", "bf16"):
+        compiled, _ = offline.mono_build(cfg, 8, MAX_TOKENS, loopback=True, mla="m1c", kv=kv)
+        fits = offline.ctas_per_sm(offline.resource_usage(compiled), compiled.metadata.num_warps)
+        assert fits >= default_ctas_per_sm(MAX_TOKENS), (kv, fits)
+    print("ok")
+    """
+)
+
+
+def test_m1c_keeps_copies_in_flight_and_its_fold_fits_the_planned_ctas(run_compiled):
+    """Built offline for Hopper (no GPU): M1c's context loop at the bf16 tile and
+    at the folded tasks' fp8 tile leaves copies in flight at its wait (the page
+    ids a step ahead, kernels/mla_attn.py _page_pair), and the mono launch with
+    M1c folded in over either cache fits the CTAs a SM planned at MAX_TOKENS
+    (the tasks' shared memory, planner.ATTN_FOLDED_BF16_STAGES).
+    Runs in a child process: the interpreter, on in this one, cannot compile."""
+    run_compiled(_M1C_COPIES_IN_FLIGHT, timeout=900)

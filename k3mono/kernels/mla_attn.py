@@ -112,62 +112,96 @@ def _weight_operand(p, KV_FP8: tl.constexpr):
 
 
 @triton.jit
-def _request_of(
-    s,
-    qsl_ptr,  # [B + 1] int32: query start offsets
-    B: tl.constexpr,
-    BP: tl.constexpr,
+def _pick(
+    values,  # [BP] int32: one value a request
+    requests,  # [BP] int32: tl.arange(0, BP)
+    b,  # the request
 ):
-    """The request that owns token s: how many requests end at or before s."""
-    r = tl.arange(0, BP)
-    ends = tl.load(qsl_ptr + 1 + r, mask=r < B, other=0)
-    return tl.sum(((ends <= s) & (r < B)).to(tl.int32), axis=0)
+    """values[b], picked in registers."""
+    return tl.sum(tl.where(requests == b, values, 0), axis=0)
 
 
 @triton.jit
 def _split_range(
     s,
     k,
-    b,
-    qsl_ptr,  # [B + 1] int32
+    qsl_ptr,  # [B + 1] int32: query start offsets
     seq_lens_ptr,  # [B] int32
+    indptr_ptr,  # [B + 1] int32: each request's first slot in pages
     SPLITS: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
 ):
-    """(lo, hi): the positions of split k that token s of request b sees (empty if hi <= lo)."""
-    first = tl.load(qsl_ptr + b)
-    queries = tl.load(qsl_ptr + b + 1) - first
-    seq_len = tl.load(seq_lens_ptr + b)
+    """(lo, hi, first_slot): the positions of split k that token s sees (empty if hi <= lo) and
+    indptr[b] of its request b, the number of requests that end at or before s.
+
+    Every request's offsets, lengths and first slots are loaded at once and b's
+    picked in registers: the first page id then waits one memory round trip, not
+    the two that finding b and then loading b's values took."""
+    requests = tl.arange(0, BP)
+    real = requests < B
+    starts = tl.load(qsl_ptr + requests, mask=real, other=0)
+    ends = tl.load(qsl_ptr + 1 + requests, mask=real, other=0)
+    lens = tl.load(seq_lens_ptr + requests, mask=real, other=0)
+    slots = tl.load(indptr_ptr + requests, mask=real, other=0)
+    b = tl.sum(((ends <= s) & real).to(tl.int32), axis=0)
+    first = _pick(starts, requests, b)
+    queries = _pick(ends, requests, b) - first
+    seq_len = _pick(lens, requests, b)
     chunk = tl.cdiv(seq_len, SPLITS)
     lo = k * chunk
-    return lo, tl.minimum(lo + chunk, seq_len - queries + (s - first) + 1)
+    return lo, tl.minimum(lo + chunk, seq_len - queries + (s - first) + 1), _pick(slots, requests, b)
+
+
+@triton.jit
+def _page_pair(
+    pos0,  # a step's first context position
+    hi,  # the split's end
+    pages_ptr,  # [num_slots] int32: page ids
+    first_slot,  # indptr[b]
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """(near, far): the page ids of the step at pos0, its first position's and its last live
+    one's (the same page within one), loaded a step ahead of the step (mla_attn_task's loop).
+
+    A page of at least BLOCK_N rows leaves a step at most two pages, so two
+    scalar loads name them and every position picks one by arithmetic
+    (_step_pages). pos0 is clamped to the split's last position (hi >= 1 for
+    every request check_requests admits), so the step after the last one, and an
+    empty split's, load live ids: unmasked, as the pipeliner issues them early.
+    Smaller pages: (0, 0), each step loading its positions' ids itself."""
+    if PAGE_SIZE >= BLOCK_N:
+        last_pos = tl.maximum(hi, 1) - 1
+        start = tl.minimum(pos0, last_pos)
+        near = tl.load(pages_ptr + first_slot + start // PAGE_SIZE)
+        far = tl.load(pages_ptr + first_slot + tl.minimum(start + BLOCK_N - 1, last_pos) // PAGE_SIZE)
+        return near, far
+    else:
+        return tl.zeros([], dtype=tl.int32), tl.zeros([], dtype=tl.int32)
 
 
 @triton.jit
 def _step_pages(
     pos0,  # the step's first context position
     hi,  # the split's end (pos0 < hi)
+    near,  # _page_pair of pos0
+    far,
     pages_ptr,  # [num_slots] int32: page ids
     first_slot,  # indptr[b]
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
-    """[BLOCK_N] page ids of positions pos0 .. pos0 + BLOCK_N - 1 (past hi: 0, or one of the
-    request's pages; the loads mask those rows).
+    """[BLOCK_N] page ids of positions pos0 .. pos0 + BLOCK_N - 1 (past hi: one of the request's
+    pages, or 0; the loads mask those rows).
 
-    A page of at least BLOCK_N rows leaves a step at most two pages, so two
-    scalar loads name them and every position picks one by arithmetic, which
-    the compiler repeats in each layout the step's loads take. One load a
-    position made a [BLOCK_N] vector that went through shared memory to each
-    of those layouts (a store, a barrier and loads every step; offline sm_90a)."""
+    Picked by arithmetic from the step's two ids, which the compiler repeats in
+    each layout the step's loads take. One load a position made a [BLOCK_N]
+    vector that went through shared memory to each of those layouts (a store, a
+    barrier and loads every step; offline sm_90a)."""
     pos = pos0 + tl.arange(0, BLOCK_N)
     if PAGE_SIZE >= BLOCK_N:
-        near = pos0 // PAGE_SIZE
-        last = (tl.minimum(pos0 + BLOCK_N, hi) - 1) // PAGE_SIZE
-        # Unmasked: a step the loop runs has pos0 < hi, so both name the request's pages, and the
-        # pipeliner predicates the loads of steps it issues ahead (a mask: 17 more instructions a step)
-        near_page = tl.load(pages_ptr + first_slot + near)
-        far_page = tl.load(pages_ptr + first_slot + last)  # near_page again within one page
-        return tl.where(pos // PAGE_SIZE == near, near_page, far_page)
+        return tl.where(pos // PAGE_SIZE == pos0 // PAGE_SIZE, near, far)
     else:
         return tl.load(pages_ptr + first_slot + pos // PAGE_SIZE, mask=pos < hi, other=0)
 
@@ -176,6 +210,8 @@ def _step_pages(
 def _cache_rows(
     pos0,  # the step's first context position
     hi,  # the split's end (pos0 < hi)
+    near,  # _page_pair of pos0
+    far,
     kv_ptr,  # [num_pages, PAGE_SIZE, DQK] bf16 or fp8
     stride_kvp,
     stride_kvr,
@@ -187,7 +223,7 @@ def _cache_rows(
     """[BLOCK_N] pointers to the cache rows of positions pos0 .. pos0 + BLOCK_N - 1 (64-bit: a
     cache may pass 2^31 bytes); rows past hi point at a live page, and the loads mask them."""
     pos = pos0 + tl.arange(0, BLOCK_N)
-    page = _step_pages(pos0, hi, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
+    page = _step_pages(pos0, hi, near, far, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
     return kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvr
 
 
@@ -256,6 +292,8 @@ def _query_halves(
 def _attend_step(
     pos0,  # the step's first context position
     hi,  # the split's end
+    near,  # _page_pair of pos0
+    far,
     m,  # [BLOCK_H] fp32 running max
     l,  # [BLOCK_H] fp32 running sum
     acc_a,  # [BLOCK_H, D_LATENT / 2] fp32: o's half-0 columns (unscaled)
@@ -280,7 +318,7 @@ def _attend_step(
     """One online-softmax step over positions pos0 .. pos0 + BLOCK_N - 1 (those < hi): (m, l, acc_a, acc_b)."""
     pos = pos0 + tl.arange(0, BLOCK_N)
     live = pos < hi
-    rows = _cache_rows(pos0, hi, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
+    rows = _cache_rows(pos0, hi, near, far, kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
     kv_a, kv_b = _cache_halves(rows, live, 0, D_LATENT, KV_FP8)  # [BLOCK_N, D_LATENT / 2]: keys and values
     rope_a, rope_b = _cache_halves(rows, live, D_LATENT, D_ROPE, KV_FP8)  # [BLOCK_N, D_ROPE / 2]: keys only
     score = dot_acc(q_a, tl.trans(kv_a), tl.zeros([q_a.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
@@ -342,9 +380,7 @@ def mla_attn_task(
     cols_a = _half_cols(0, 0, D_LATENT, KV_FP8)
     cols_b = _half_cols(1, 0, D_LATENT, KV_FP8)
 
-    b = _request_of(s, qsl_ptr, B, BP)
-    lo, hi = _split_range(s, k, b, qsl_ptr, seq_lens_ptr, SPLITS)
-    first_slot = tl.load(indptr_ptr + b)
+    lo, hi, first_slot = _split_range(s, k, qsl_ptr, seq_lens_ptr, indptr_ptr, SPLITS, B, BP)
 
     q_rows = q_ptr + s * stride_qs + heads[:, None] * stride_qh
     q_a, q_b = _query_halves(q_rows, live_h[:, None], kv_scale, 0, D_LATENT, KV_FP8)
@@ -354,22 +390,27 @@ def mla_attn_task(
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_a = tl.zeros([BLOCK_H, D_LATENT // 2], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_H, D_LATENT // 2], dtype=tl.float32)
+    # Each step loads the next step's page ids and carries them: the cache rows' addresses then
+    # depend on no load of their own step, so the pipeliner issues a step's copies num_stages - 2
+    # steps ahead (3 stages: one step in flight while a step computes; planner.ATTN_STAGES).
+    near, far = _page_pair(lo, hi, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
     if RANGE_BY_WHILE:
         pos0 = lo
         while pos0 < hi:
-            m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope_a, q_rope_b, kv_ptr,
-                                              stride_kvp, stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE,
+            next_near, next_far = _page_pair(pos0 + BLOCK_N, hi, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
+            m, l, acc_a, acc_b = _attend_step(pos0, hi, near, far, m, l, acc_a, acc_b, q_a, q_b, q_rope_a, q_rope_b,
+                                              kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE,
                                               D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
+            near, far = next_near, next_far
             pos0 += BLOCK_N
     else:
-        # A for loop, software-pipelined (a while loop streams one step at a time). The page
-        # ids take a stage of their own (the rows' addresses need them), so below 5 stages
-        # every copy is waited for at the loop's top: none in flight while a step computes
-        # (planner.ATTN_STAGES).
+        # A for loop, software-pipelined (a while loop streams one step at a time).
         for pos0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            m, l, acc_a, acc_b = _attend_step(pos0, hi, m, l, acc_a, acc_b, q_a, q_b, q_rope_a, q_rope_b, kv_ptr,
-                                              stride_kvp, stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE,
+            next_near, next_far = _page_pair(pos0 + BLOCK_N, hi, pages_ptr, first_slot, BLOCK_N, PAGE_SIZE)
+            m, l, acc_a, acc_b = _attend_step(pos0, hi, near, far, m, l, acc_a, acc_b, q_a, q_b, q_rope_a, q_rope_b,
+                                              kv_ptr, stride_kvp, stride_kvr, pages_ptr, first_slot, scale, PAGE_SIZE,
                                               D_LATENT, D_ROPE, BLOCK_N, KV_FP8, UPCAST)
+            near, far = next_near, next_far
 
     seen = l > 0
     if KV_FP8:
