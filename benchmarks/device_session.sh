@@ -48,8 +48,7 @@
 # against $K3MONO_BASE's tree; mla_layers: the MLA layer three ways here and in $K3MONO_BASE's tree; mla_fold_tile:
 # the fold at its own tile checked and the layer three ways timed; m1c_deep: M1c alone at 5 and 7 pipeline stages;
 # m1c_stages: M1c with page ids a step ahead at 2 to 4 stages against $K3MONO_BASE's tree, then checked;
-# m1c_fold_bits: the fp8 MLA layer three ways with the folded M1C tasks at 3 and 2 stages (and at 3 in
-# $K3MONO_BASE's tree where set);
+# m1c_fold_apart: where the fp8 MLA layer's folded way parts from the separate launches;
 # m1b_sleep: the M1b fold with pausing pollers;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -254,17 +253,9 @@ for s in $STEPS; do
             --stages 3 5 --budget-s 45"
         step m1c_stages_check_fp8 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8
         step m1c_stages_check_bf16 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv bf16 ;;
-    m1c_fold_bits)  # the MLA layer three ways over an fp8 cache (5000 positions, S = 4) with the folded M1C tasks
-        # at 3 stages (planner.ATTN_STAGES), the same in $K3MONO_BASE's tree where set, then here at 2: which way
-        # differs from the separate launches, how far, and whether a way differs from itself over 3 rounds
-        step m1c_fold_bits_3 110 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8 --rounds 3
-        if [[ -n "${K3MONO_BASE:-}" ]]; then
-            step m1c_fold_bits_base 110 bash -c "cd '$K3MONO_BASE' && PYTHONPATH=\$PWD python3 \
-                '$PWD/benchmarks/gpu_check_mla.py' --tokens 4 --contexts 5000 --kv fp8 --rounds 3"
-        fi
-        step m1c_fold_bits_2 110 python3 -c "import runpy, sys; import k3mono.planner as planner; \
-            planner.ATTN_STAGES = 2; sys.argv = ['gpu_check_mla.py', '--tokens', '4', '--contexts', '5000', \
-            '--kv', 'fp8', '--rounds', '3']; runpy.run_path('benchmarks/gpu_check_mla.py', run_name='__main__')" ;;
+    m1c_fold_apart)  # the fp8 MLA layer three ways at S = 4, 8 and 2 (4096 positions): where the folded way
+        # parts from the separate launches (the split outputs, then the core; gpu_check_mla.where_apart)
+        step m1c_fold_apart 220 python3 benchmarks/gpu_check_mla.py --tokens 4 8 2 --contexts 4096 --kv fp8 ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
         # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
         step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8

@@ -89,7 +89,37 @@ def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int
     print(f"MLA layer three ways {kv_dtype:>4} ctx {context:>6} S={tokens:>2} {splits:>3} splits: "
           f"{'same bits' if same else 'DIFFER (max |way - separate| / max |separate|: ' + apart + ')'}"
           f"{repeat_note} {problem or ''} {'ok' if ok else 'FAIL'}", flush=True)
+    if not same:
+        print("  where the last round's ways part: " + where_apart(calls), flush=True)
     return ok
+
+
+def where_apart(calls) -> str:
+    """The separate M1c's split outputs against the folded M1C tasks', then each way's core against the
+    separate M1b's: the first stage whose bits differ is where the ways part."""
+    from k3mono.mono import split_outputs
+
+    plain, folded_b, folded_c = calls["runners"]
+    folded_splits = split_outputs(folded_c.key, folded_c.rank_states[0].buffers.scratch)
+    pairs = {"o": (calls["split_outputs"][0], folded_splits[0]), "lse": (calls["split_outputs"][1], folded_splits[1]),
+             "core m1b": (plain.rank_states[0].core, folded_b.rank_states[0].core),
+             "core m1c": (plain.rank_states[0].core, folded_c.rank_states[0].core)}
+    return "; ".join(f"{name} {differing(a, b)}" for name, (a, b) in pairs.items())
+
+
+def differing(want: torch.Tensor, got: torch.Tensor) -> str:
+    """How many elements of got differ from want in bits, and the largest difference over want's largest."""
+    shape = want.shape
+    want, got = want.reshape(-1), got.reshape(-1).to(want.device)
+    apart = want.view(torch.uint8).view(-1, want.element_size()).ne(
+        got.view(torch.uint8).view(-1, got.element_size())).any(1)
+    if not bool(apart.any()):
+        return "same bits"
+    gap = (want[apart].double() - got[apart].double()).abs().max()
+    largest = want.double().abs().nan_to_num(posinf=0.0).max().clamp_min(1e-300)
+    first = tuple(int(i) for i in torch.unravel_index(apart.nonzero()[0, 0], shape))
+    return (f"{int(apart.sum())} of {want.numel()} differ (max gap / max |want| "
+            f"{float(gap / largest):.1e}, first at {first})")
 
 
 def main() -> int:

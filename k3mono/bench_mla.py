@@ -335,6 +335,7 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
         "m1c": lambda: folded_c.launch(0),
         "runners": (plain, folded_b, folded_c),
         "shapes": (m1b, m1c),
+        "split_outputs": (o, lse),  # the separate M1c's, which the first two ways' M1b read
     }
 
 

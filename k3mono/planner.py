@@ -440,11 +440,15 @@ session). With the ids a step ahead the bf16 cache's times did not move (32 K,
 one H100: 22.3 / 62.8 / 215.0 us at S = 1 / 4 / 16 against 21.8 / 63.9 / 219.5
 before; twenty-ninth session)."""
 
-ATTN_FOLDED_BF16_STAGES = 2
-"""The folded M1C tasks' num_stages over a bf16 cache: at 3 (ATTN_STAGES) their
-shared memory (93,440 B) leaves room for 2 CTAs a SM, and the mono launch plans
-3 from MANY_CTAS_MIN_TOKENS tokens (mono.default_ctas_per_sm); at 2 it takes
-56,576 B, as the fp8 tasks do at 3 (offline sm_90a, TP8, S = 16)."""
+ATTN_FOLDED_STAGES = 2
+"""The folded M1C tasks' num_stages over either cache. At 3 (ATTN_STAGES) a bf16
+cache's tasks take 93,440 B of shared memory, room for 2 CTAs a SM where the
+mono launch plans 3 from MANY_CTAS_MIN_TOKENS tokens (mono.default_ctas_per_sm);
+at 2, 56,576 B (offline sm_90a, TP8, S = 16). Over an fp8 cache 3 stages fit,
+but with the page ids a step ahead the MLA layer with M1c folded in was slower
+at 3 than at 2 (one H100, fp8, 32 K, S = 1 / 4 / 16: 158.3 / 223.1 / 675.0 us
+against 154.0 / 225.9 / 595.6; main's loop, ids in their own step, at 3 stages
+153.9 / 231.4 / 599.3 in the same session; docs/PERF.md, thirty-first session)."""
 
 ATTN_FP8_BLOCK_N = 64
 """Context positions an M1c step covers over an fp8 cache: 36 KB a step, as a bf16
@@ -467,14 +471,14 @@ loop before (ids loaded in their own step) at 2 stages 23.7 / 47.3 / 149.3."""
 def attn_steps(kv_fp8: bool, folded: bool = False) -> tuple[int, int]:
     """(positions a step, the context loop's num_stages) of M1c over an fp8 or a bf16 cache,
     launched alone or ``folded`` into the mono launch as its M1C tasks. Folded, an
-    fp8 cache keeps ATTN_BLOCK_N and ATTN_STAGES: the mono build's registers are
+    fp8 cache keeps ATTN_BLOCK_N: the mono build's registers are
     the launch's (168 a thread from 3 CTAs a SM), and 64-position steps spilled in
     the step loop (offline sm_90a, TP8: 5 stack accesses a step at S = 1, 183 at
     S = 16) and made the layer with M1c folded in slower on an H100 (fp8, 32 K:
     S = 1 157.1 -> 166.0 us, S = 16 637.6 -> 694.2; docs/PERF.md, twenty-seventh
-    session). Folded over a bf16 cache, ATTN_FOLDED_BF16_STAGES."""
+    session), and both caches take ATTN_FOLDED_STAGES."""
     if folded:
-        return ATTN_BLOCK_N, ATTN_STAGES if kv_fp8 else ATTN_FOLDED_BF16_STAGES
+        return ATTN_BLOCK_N, ATTN_FOLDED_STAGES
     return (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES) if kv_fp8 else (ATTN_BLOCK_N, ATTN_STAGES)
 
 
