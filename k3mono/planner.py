@@ -447,8 +447,9 @@ mono launch plans 3 from MANY_CTAS_MIN_TOKENS tokens (mono.default_ctas_per_sm);
 at 2, 56,576 B (offline sm_90a, TP8, S = 16). Over an fp8 cache 3 stages fit,
 but with the page ids a step ahead the MLA layer with M1c folded in was slower
 at 3 than at 2 (one H100, fp8, 32 K, S = 1 / 4 / 16: 158.3 / 223.1 / 675.0 us
-against 154.0 / 225.9 / 595.6; main's loop, ids in their own step, at 3 stages
-153.9 / 231.4 / 599.3 in the same session; docs/PERF.md, thirty-first session)."""
+against 154.0 / 225.9 / 595.6; the loop before, ids loaded in their own step, at
+3 stages 153.9 / 231.4 / 599.3 in the same session; docs/PERF.md, thirty-first
+session)."""
 
 ATTN_FP8_BLOCK_N = 64
 """Context positions an M1c step covers over an fp8 cache: 36 KB a step, as a bf16
