@@ -49,6 +49,7 @@
 # the fold at its own tile checked and the layer three ways timed; m1c_deep: M1c alone at 5 and 7 pipeline stages;
 # m1c_stages: M1c with page ids a step ahead at 2 to 4 stages against $K3MONO_BASE's tree, then checked;
 # m1c_fold_apart: where the fp8 MLA layer's folded way parts from the separate launches;
+# m1c_fold_bisect: the same at 4096 positions in each tree of $K3MONO_TREES (cf75fd7 against cf9e37c);
 # m1b_sleep: the M1b fold with pausing pollers;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -256,6 +257,13 @@ for s in $STEPS; do
     m1c_fold_apart)  # the fp8 MLA layer three ways at S = 4, 8 and 2 (4096 positions): where the folded way
         # parts from the separate launches (the split outputs, then the core; gpu_check_mla.where_apart)
         step m1c_fold_apart 220 python3 benchmarks/gpu_check_mla.py --tokens 4 8 2 --contexts 4096 --kv fp8 ;;
+    m1c_fold_bisect)  # the fp8 MLA layer three ways at 4096 positions, S = 4, in each tree of $K3MONO_TREES with
+        # its own script (git archive <commit> k3mono benchmarks into a carried folder): cf75fd7 gave the same bits,
+        # main after cf9e37c does not (docs/PERF.md, thirty-first session)
+        for tree in ${K3MONO_TREES:?the trees to check}; do
+            step "m1c_fold_bisect_$(basename "$tree")" 100 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 \
+                benchmarks/gpu_check_mla.py --tokens 4 --contexts 4096 --kv fp8"
+        done ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
         # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
         step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8
