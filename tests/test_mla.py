@@ -467,7 +467,7 @@ def test_m1b_short_combine_copies_its_first_steps_before_any_wait(run_compiled):
 
 _M1C_COPIES_IN_FLIGHT = textwrap.dedent(
     """
-    from k3mono import mla, offline
+    from k3mono import offline
     from k3mono.config import MAX_TOKENS, preset
     from k3mono.mono import default_ctas_per_sm
     from k3mono.planner import attn_steps
