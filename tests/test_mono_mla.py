@@ -286,7 +286,8 @@ def m1c_runner(cfg, shards, tokens: int, requests: int, kv_dtype) -> MonoRunner:
     return MonoRunner(cfg, shards, tokens, LAYER, options=options)
 
 
-M1C_CASES = [(1, [1], [13], torch.bfloat16), (1, [2, 1], [13, 2], FP8), (2, [1, 2], [21, 9], torch.bfloat16)]
+M1C_CASES = [(1, [1], [13], torch.bfloat16), (1, [2, 1], [13, 2], FP8), (2, [1, 2], [21, 9], torch.bfloat16),
+             (2, [2, 1], [130, 9], FP8)]
 
 
 @pytest.mark.parametrize("tp,queries,seq_lens,kv_dtype", M1C_CASES,
