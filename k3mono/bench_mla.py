@@ -297,12 +297,13 @@ def fused_splits(tokens: int, sms: int) -> int:
 
 
 def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shard, layer: int,
-                    splits: int = FOLD_SPLITS, folded_tile: bool = False) -> dict:
+                    splits: int = FOLD_SPLITS, folded_tile: bool = False, trace: bool = False) -> dict:
     """The three ways to run one MLA layer of rank 0 (loopback), M1c at ``splits``,
     as calls on loaded runners: {"separate", "m1b", "m1c"} -> call. Rank 0's inputs
     are every rank's (the loopback pre-writes come from the same staged chain). The
     separate M1c runs at its own tile (mla.attn_tile), or with ``folded_tile`` at the
-    M1C tasks' of the third way, which then gives the first two ways' bits."""
+    M1C tasks' of the third way, which then gives the first two ways' bits. ``trace``:
+    the two folded ways' launches are trace builds (k3mono/trace.py)."""
     import dataclasses
 
     from .mla import attn_tile
@@ -324,10 +325,9 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     plain = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens))
     plain.load_inputs(core.repeat(1, tp), act["prefix"], act["blocks"])  # every rank's heads see rank 0's inputs
     back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
-    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens, m1b=m1b))
+    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens, m1b=m1b), trace=trace)
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
-    folded_c = MonoRunner(cfg, ranks, tokens, layer,
-                          options=default_options(tokens, m1b=m1b, m1c=m1c))
+    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens, m1b=m1b, m1c=m1c), trace=trace)
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {
         "separate": lambda: (attend(), back(), plain.launch(0)),

@@ -33,7 +33,7 @@ from k3mono import mla
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import MonoRunner
-from k3mono.planner import M1bShape, M1cShape, MonoOptions, TileChoice
+from k3mono.planner import BACK_COMBINE_COLS, BACK_SHORT_SPLITS, M1bShape, M1cShape, MonoOptions, TileChoice
 from k3mono.reference import layer_post, layer_post_tp
 from k3mono.reference import mla as ref_mla
 from k3mono.runner import error_and_budget
@@ -53,17 +53,17 @@ def layer_weights():
     return random_layer(preset("tiny"), 0)
 
 
-def m1b_inputs(cfg, tp: int, tokens: int, w_v_dtype, seed: int) -> list[dict]:
+def m1b_inputs(cfg, tp: int, tokens: int, w_v_dtype, seed: int, splits: int = SPLITS, latent: int = LATENT) -> list[dict]:
     """One rank's heads' M1b inputs a rank; token 0's last split is empty (lse -inf, o 0)."""
     gen = torch.Generator().manual_seed(seed)
     heads, value = cfg.num_attention_heads // tp, cfg.v_head_dim
     w_v_scale = 0.0029 if w_v_dtype == FP8 else 1.0
     out = []
     for _ in range(tp):
-        o = torch.randn(SPLITS, tokens, heads, LATENT, generator=gen)
-        lse = 3 * torch.randn(SPLITS, tokens, heads, generator=gen)
+        o = torch.randn(splits, tokens, heads, latent, generator=gen)
+        lse = 3 * torch.randn(splits, tokens, heads, generator=gen)
         o[-1, 0], lse[-1, 0] = 0.0, float("-inf")
-        w_v = torch.randn(heads, value, LATENT, generator=gen) * LATENT**-0.5
+        w_v = torch.randn(heads, value, latent, generator=gen) * latent**-0.5
         out.append(dict(o=o, lse=lse, w_v=(w_v / w_v_scale).to(w_v_dtype), w_v_scale=w_v_scale,
                         gate=torch.randn(tokens, heads * value, generator=gen).to(torch.bfloat16)))
     return out
@@ -75,8 +75,8 @@ def reference_core(m1b_in: list[dict], mode: str) -> torch.Tensor:
                       for m in m1b_in], dim=1)
 
 
-def mla_runner(cfg, shards, tokens: int, w_v_dtype) -> MonoRunner:
-    shape = M1bShape(splits=SPLITS, latent=LATENT, w_v_fp8=w_v_dtype == FP8)
+def mla_runner(cfg, shards, tokens: int, w_v_dtype, splits: int = SPLITS, latent: int = LATENT) -> MonoRunner:
+    shape = M1bShape(splits=splits, latent=latent, w_v_fp8=w_v_dtype == FP8)
     return MonoRunner(cfg, shards, tokens, LAYER, options=MonoOptions(m1b=shape))
 
 
@@ -84,17 +84,22 @@ def bits(t):
     return t.view(torch.uint8) if t.is_floating_point() else t
 
 
-CASES = [(1, 1, torch.bfloat16), (1, 3, FP8), (2, 1, FP8), (2, 3, torch.bfloat16)]
+LONG_SPLITS = BACK_SHORT_SPLITS + 4  # past the short combine: M1B_COMBINE tasks combine, M1B tasks project
+CASES = [(1, 1, torch.bfloat16, SPLITS, LATENT), (1, 3, FP8, SPLITS, LATENT), (2, 1, FP8, SPLITS, LATENT),
+         (2, 3, torch.bfloat16, SPLITS, LATENT), (2, 2, torch.bfloat16, LONG_SPLITS, 2 * BACK_COMBINE_COLS),
+         (1, 1, FP8, LONG_SPLITS, LATENT)]
 
 
-@pytest.mark.parametrize("tp,tokens,w_v_dtype", CASES, ids=[f"T{t}-S{s}-{str(d)[6:]}" for t, s, d in CASES])
-def test_mono_with_m1b_matches_the_reference_chain_and_the_staged_m1b(tp, tokens, w_v_dtype):
+@pytest.mark.parametrize("tp,tokens,w_v_dtype,splits,latent", CASES,
+                         ids=[f"T{t}-S{s}-{str(d)[6:]}-{k}x{n}" for t, s, d, k, n in CASES])
+def test_mono_with_m1b_matches_the_reference_chain_and_the_staged_m1b(tp, tokens, w_v_dtype, splits, latent):
     cfg, weights = preset("tiny"), layer_weights()
     shards = shard_all(weights, cfg, tp)
     act = random_inputs(cfg, tokens, LAYER, seed=40 + 7 * tp + tokens)
-    m1b_in = m1b_inputs(cfg, tp, tokens, w_v_dtype, seed=tp * 10 + tokens)
-    runner = mla_runner(cfg, shards, tokens, w_v_dtype)
-    assert runner.compiled.table.tasks[0].kind.name == "M1B"
+    m1b_in = m1b_inputs(cfg, tp, tokens, w_v_dtype, seed=tp * 10 + tokens, splits=splits, latent=latent)
+    runner = mla_runner(cfg, shards, tokens, w_v_dtype, splits, latent)
+    first = "M1B_COMBINE" if splits > BACK_SHORT_SPLITS else "M1B"
+    assert runner.compiled.table.tasks[0].kind.name == first
     got = runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
 
     # (b) each rank's launch wrote its own core: the staged M1b's bits
@@ -270,39 +275,52 @@ def m1c_inputs(cfg, tp: int, queries, seq_lens, kv_dtype, seed: int) -> tuple[li
     return attn, back
 
 
-def reference_m1c_core(m1c_in: list[dict], m1b_in: list[dict], mode: str) -> torch.Tensor:
+def reference_m1c_core(m1c_in: list[dict], m1b_in: list[dict], mode: str, splits: int) -> torch.Tensor:
     """The reference M1c then M1b of every rank's heads, side by side: core [S, C]."""
     cores = []
     for a, m in zip(m1c_in, m1b_in):
         o, lse = ref_mla.mla_attn(a["q"], a["kv"], a["qsl"], a["seq_lens"], a["pages"], a["indptr"], a["scale"],
-                                  SPLITS, kv_scale=a["kv_scale"], latent_dim=LATENT, mode=mode)
+                                  splits, kv_scale=a["kv_scale"], latent_dim=LATENT, mode=mode)
         cores.append(ref_mla.mla_back(o, lse, m["w_v"], m["gate"], w_v_scale=m["w_v_scale"], mode=mode))
     return torch.cat(cores, dim=1)
 
 
-def m1c_runner(cfg, shards, tokens: int, requests: int, kv_dtype) -> MonoRunner:
-    options = MonoOptions(m1b=M1bShape(splits=SPLITS, latent=LATENT),
+def m1c_runner(cfg, shards, tokens: int, requests: int, kv_dtype, splits: int = SPLITS) -> MonoRunner:
+    options = MonoOptions(m1b=M1bShape(splits=splits, latent=LATENT),
                           m1c=M1cShape(page_size=PAGE_SIZE, requests=requests, rope=ROPE, kv_fp8=kv_dtype == FP8))
     return MonoRunner(cfg, shards, tokens, LAYER, options=options)
 
 
-M1C_CASES = [(1, [1], [13], torch.bfloat16), (1, [2, 1], [13, 2], FP8), (2, [1, 2], [21, 9], torch.bfloat16),
-             (2, [2, 1], [130, 9], FP8)]
+def has_empty_split(queries, seq_lens, splits: int) -> bool:
+    """Whether some token sees no position of some split (kernels/mla_attn.py: lo, hi)."""
+    for n, q in zip(seq_lens, queries):
+        chunk = -(-n // splits)
+        if any(min(k * chunk + chunk, n - q + j + 1) <= k * chunk for j in range(q) for k in range(splits)):
+            return True
+    return False
 
 
-@pytest.mark.parametrize("tp,queries,seq_lens,kv_dtype", M1C_CASES,
-                         ids=[f"T{t}-B{len(q)}-S{sum(q)}-{str(d)[6:]}" for t, q, _, d in M1C_CASES])
-def test_mono_with_m1c_and_m1b_matches_the_reference_chain_and_the_staged_kernels(tp, queries, seq_lens, kv_dtype):
+# the T = 2 fp8 case's splits of 44 positions are two of the M1C tasks' steps and one of a separate M1c's
+# (planner.attn_steps): the loopback pre-writes must come from the M1C tasks' tile
+M1C_CASES = [(1, [1], [13], torch.bfloat16, SPLITS), (1, [2, 1], [13, 2], FP8, SPLITS),
+             (2, [1, 2], [21, 9], torch.bfloat16, SPLITS), (2, [2, 1], [130, 9], FP8, SPLITS),
+             (2, [1, 2], [45, 9], torch.bfloat16, LONG_SPLITS)]
+
+
+@pytest.mark.parametrize("tp,queries,seq_lens,kv_dtype,splits", M1C_CASES,
+                         ids=[f"T{t}-B{len(q)}-S{sum(q)}-{str(d)[6:]}-{k}" for t, q, _, d, k in M1C_CASES])
+def test_mono_with_m1c_and_m1b_matches_the_reference_chain_and_the_staged_kernels(tp, queries, seq_lens, kv_dtype,
+                                                                                   splits):
     cfg, weights = preset("tiny"), layer_weights()
     shards, tokens = shard_all(weights, cfg, tp), sum(queries)
     act = random_inputs(cfg, tokens, LAYER, seed=60 + 7 * tp + tokens)
     m1c_in, m1b_in = m1c_inputs(cfg, tp, queries, seq_lens, kv_dtype, seed=tp * 10 + tokens)
-    runner = m1c_runner(cfg, shards, tokens, len(queries), kv_dtype)
+    runner = m1c_runner(cfg, shards, tokens, len(queries), kv_dtype, splits)
     assert [t.kind.name for t in runner.compiled.table.tasks[:2]] == ["M1C", "M1C"]
     got = runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"], m1c_in=m1c_in)
 
     # (b) each rank's launch wrote the staged M1c's split outputs and the staged M1b's core, bit for bit
-    staged_in = mla.with_split_outputs(m1c_in, m1b_in, SPLITS, folded_tile=True)
+    staged_in = mla.with_split_outputs(m1c_in, m1b_in, splits, folded_tile=True)
     staged_core = mla.rank_cores(staged_in)
     width = cfg.core_width // tp
     for r in range(tp):
@@ -310,11 +328,11 @@ def test_mono_with_m1c_and_m1b_matches_the_reference_chain_and_the_staged_kernel
         for name, want in (("split_o", staged_in[r]["o"]), ("split_lse", staged_in[r]["lse"])):
             assert not scratch[name].isnan().any() and torch.equal(bits(scratch[name]), bits(want)), (r, name)
         assert torch.equal(bits(runner.rank_states[r].core), bits(staged_core[:, r * width : (r + 1) * width])), r
-    assert staged_in[-1]["lse"].isneginf().any() == (min(seq_lens) < SPLITS)
+    assert staged_in[-1]["lse"].isneginf().any() == has_empty_split(queries, seq_lens, splits)
 
     # (a) the chain: reference M1c -> M1b (bf16) -> reference layer_post, judged against the oracle chain
-    judge_chain(cfg, weights, shards, act, got, reference_m1c_core(m1c_in, m1b_in, "bf16"),
-                reference_m1c_core(m1c_in, m1b_in, "oracle"))
+    judge_chain(cfg, weights, shards, act, got, reference_m1c_core(m1c_in, m1b_in, "bf16", splits),
+                reference_m1c_core(m1c_in, m1b_in, "oracle", splits))
     # every rank holds the staged chain's bits (staged M1c, M1b, then the staged layer)
     same_as_staged_chain(cfg, shards, tokens, staged_in, act, runner)
 

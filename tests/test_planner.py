@@ -20,6 +20,7 @@ from k3mono.floor import floor_bytes
 from k3mono.layout import peer_layout, scratch_layout
 from k3mono.mono import default_options
 from k3mono.planner import (
+    BACK_SHORT_SPLITS,
     COL,
     MAX_WAITS,
     OPT_ALL,
@@ -52,11 +53,14 @@ M1B_CONFIGS = [("kimi-k3", 8, 4), ("kimi-k3", 1, 16), ("tiny", 2, 3), ("tiny", 1
 X_GROUP_CONFIGS = [("kimi-k3", 8, 16), ("kimi-k3", 2, 6), ("tiny", 2, 9), ("small", 8, 5)]
 X_PARTS = 7
 X_PARTS_CONFIGS = [("kimi-k3", 8, 8), ("kimi-k3", 2, 16), ("tiny", 2, 9), ("small", 8, 5)]
+LONG_SPLITS = BACK_SHORT_SPLITS + 4
+LONG_CONFIGS = [("kimi-k3", 8, 2), ("tiny", 2, 3)]
 TABLES = ([(*c, None) for c in CONFIGS] + [(*c, "m1b") for c in M1B_CONFIGS]
-          + [(*c, "m1c") for c in M1B_CONFIGS] + [(*c, "x_groups") for c in X_GROUP_CONFIGS]
-          + [(*c, "x_parts") for c in X_PARTS_CONFIGS])
+          + [(*c, "m1c") for c in M1B_CONFIGS] + [(*c, mla) for c in LONG_CONFIGS for mla in ("m1b_long", "m1c_long")]
+          + [(*c, "x_groups") for c in X_GROUP_CONFIGS] + [(*c, "x_parts") for c in X_PARTS_CONFIGS])
 """(preset, T, S, mla): every config plain, a few as MLA layers whose launch runs
-M1b ("m1b"), or M1c then M1b ("m1c"); a few past FMA_MAX_TOKENS tokens with the
+M1b ("m1b"), or M1c then M1b ("m1c"), at 4 splits, or at LONG_SPLITS with the
+M1B_COMBINE tasks before M1B ("m1b_long", "m1c_long"); a few past FMA_MAX_TOKENS tokens with the
 router and latent down by groups of tokens ("x_groups": TileChoice.x_token_groups)
 or by X_PARTS parts of K ("x_parts": TileChoice.x_k_parts)."""
 
@@ -78,9 +82,9 @@ KIND_ORDER = [
 ]
 
 
-def m1b_shape(name: str, tp: int) -> M1bShape:
+def m1b_shape(name: str, tp: int, splits: int = 4) -> M1bShape:
     """Kimi-K3's latent with fp8 w_v at TP8, bf16 otherwise; a small latent for the test presets."""
-    return M1bShape(splits=4, latent=512 if name == "kimi-k3" else 32, w_v_fp8=tp == 8)
+    return M1bShape(splits=splits, latent=512 if name == "kimi-k3" else 32, w_v_fp8=tp == 8)
 
 
 def m1c_shape(name: str, tp: int, tokens: int) -> M1cShape:
@@ -93,8 +97,9 @@ def m1c_shape(name: str, tp: int, tokens: int) -> M1cShape:
 def table_for(name: str, tp: int, tokens: int, sms: int = 132, prefetch_final: bool = False, mla: str | None = None,
               route_early: bool = False, shared_late: bool = False, prefetch_shared: bool = False,
               prefetch_final_early: bool = False):
-    m1b = m1b_shape(name, tp) if mla in ("m1b", "m1c") else None
-    m1c = m1c_shape(name, tp, tokens) if mla == "m1c" else None
+    long = mla in ("m1b_long", "m1c_long")
+    m1b = m1b_shape(name, tp, LONG_SPLITS if long else 4) if mla and mla.startswith("m1") else None
+    m1c = m1c_shape(name, tp, tokens) if mla in ("m1c", "m1c_long") else None
     options = MonoOptions(prefetch_final=prefetch_final, m1b=m1b, m1c=m1c, route_early=route_early,
                           shared_late=shared_late,
                           tiles=TileChoice(x_token_groups=mla == "x_groups",
@@ -247,6 +252,34 @@ def test_m1c_tasks_come_first_and_every_m1b_waits_for_all_of_them(name, tp, toke
     assert LaunchSim(table, ranks=tp, ctas=table.ctas, launches=2).run().premature == []
 
 
+@pytest.mark.parametrize("name,tp,tokens", LONG_CONFIGS)
+@pytest.mark.parametrize("mla", ["m1b_long", "m1c_long"])
+def test_past_the_short_splits_combine_tasks_precede_m1b_and_each_m1b_waits_for_its_heads(name, tp, tokens, mla):
+    cfg = preset(name)
+    table, short = table_for(name, tp, tokens, mla=mla), table_for(name, tp, tokens, mla=mla[:3])
+    first = [TaskKind.M1C] if mla == "m1c_long" else []
+    assert [group.kind for group in table.groups()] == first + [TaskKind.M1B_COMBINE, TaskKind.M1B] + KIND_ORDER
+    assert [group.kind for group in short.groups()] == first + [TaskKind.M1B] + KIND_ORDER
+    g = table.geometry.m1b
+    heads, chunks = cfg.num_attention_heads // tp, g.latent // g.combine_cols
+    assert g.splits == LONG_SPLITS and g.combine_cols > 0 and short.geometry.m1b.combine_cols == 0
+    combine = [t for t in table.tasks if t.kind == TaskKind.M1B_COMBINE]
+    # token-major, then the heads' latent columns in order; one COMBINED slot a (token, head)
+    cols = tiles(heads * g.latent, g.combine_cols)
+    assert [(t.token, t.tile, t.span) for t in combine] == [(s, c, (lo, hi)) for s in range(tokens) for c, lo, hi in cols]
+    assert all(t.raises == (Raise(Flag.COMBINED, t.token * heads + t.span[0] // g.latent),) for t in combine)
+    assert all(t.weight_bytes == 0 for t in combine)
+    splits_waits = [w.flag for t in combine for w in t.waits]
+    assert splits_waits == ([Flag.SPLITS] * len(combine) if mla == "m1c_long" else [])
+    for task in (t for t in table.tasks if t.kind == TaskKind.M1B):
+        slot = task.token * heads + task.span[0] // g.value
+        sources = tuple(t.ticket for t in combine if t.raises[0].index == slot)
+        assert [(w.flag, w.index, w.count, w.sources) for w in task.waits] == [(Flag.COMBINED, slot, chunks, sources)]
+    assert dict(table.flag_slots)[Flag.COMBINED] == tokens * heads and dict(short.flag_slots)[Flag.COMBINED] == 0
+    assert table.summary().weights_by_tensor == short.summary().weights_by_tensor
+    assert LaunchSim(table, ranks=tp, ctas=table.ctas, launches=2).run().premature == []
+
+
 def test_m1c_needs_m1b_and_shapes_the_kernel_can_take():
     m1b = M1bShape(splits=2, latent=32)
     bad = [(None, M1cShape(page_size=16, requests=1, rope=16)), (m1b, M1cShape(page_size=0, requests=1, rope=16)),
@@ -331,8 +364,8 @@ def test_an_in_task_wait_is_refused_where_no_task_polls_it():
 def coverage_arrays(table):
     """Zero counters for every region a task writes, with one rank's shapes."""
     cfg, tp, S = table.cfg, table.tp, table.tokens
-    # M1C writes the split outputs there, split router / latent down tiles their parts
-    scratch = scratch_layout(cfg, tp, S, table.geometry.m1c, table.geometry.x_parts)
+    # M1C writes the split outputs there, M1B_COMBINE the combined rows, split router / latent down tiles their parts
+    scratch = scratch_layout(cfg, tp, S, table.geometry.m1c, table.geometry.x_parts, table.geometry.m1b)
     shapes = {name: shape for name, (_, shape, _) in {**peer_layout(cfg, tp, S), **scratch}.items()}
     shapes.pop("__end__")
     shapes["prefix"] = shapes["out"] = (S, cfg.hidden_size)
