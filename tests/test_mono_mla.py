@@ -53,7 +53,8 @@ def layer_weights():
     return random_layer(preset("tiny"), 0)
 
 
-def m1b_inputs(cfg, tp: int, tokens: int, w_v_dtype, seed: int, splits: int = SPLITS, latent: int = LATENT) -> list[dict]:
+def m1b_inputs(cfg, tp: int, tokens: int, w_v_dtype, seed: int, splits: int = SPLITS,
+               latent: int = LATENT) -> list[dict]:
     """One rank's heads' M1b inputs a rank; token 0's last split is empty (lse -inf, o 0)."""
     gen = torch.Generator().manual_seed(seed)
     heads, value = cfg.num_attention_heads // tp, cfg.v_head_dim

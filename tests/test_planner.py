@@ -266,7 +266,8 @@ def test_past_the_short_splits_combine_tasks_precede_m1b_and_each_m1b_waits_for_
     combine = [t for t in table.tasks if t.kind == TaskKind.M1B_COMBINE]
     # token-major, then the heads' latent columns in order; one COMBINED slot a (token, head)
     cols = tiles(heads * g.latent, g.combine_cols)
-    assert [(t.token, t.tile, t.span) for t in combine] == [(s, c, (lo, hi)) for s in range(tokens) for c, lo, hi in cols]
+    want = [(s, c, (lo, hi)) for s in range(tokens) for c, lo, hi in cols]
+    assert [(t.token, t.tile, t.span) for t in combine] == want
     assert all(t.raises == (Raise(Flag.COMBINED, t.token * heads + t.span[0] // g.latent),) for t in combine)
     assert all(t.weight_bytes == 0 for t in combine)
     splits_waits = [w.flag for t in combine for w in t.waits]
