@@ -264,6 +264,14 @@ for s in $STEPS; do
             step "m1c_fold_bisect_$(basename "$tree")" 100 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 \
                 benchmarks/gpu_check_mla.py --tokens 4 --contexts 4096 --kv fp8"
         done ;;
+    m1b_combine)  # the M1B_COMBINE tasks (M1b past 16 splits): the MLA layer three ways checked at 4096 positions
+        # (fp8 S = 1 and 4: 264 and 66 splits; bf16 S = 1), traced and timed at 32 K (fp8, S = 1 and 4), then the
+        # layer three ways in $K3MONO_BASE's tree (no M1B_COMBINE tasks) at those S
+        step m1b_combine_check_fp8 150 python3 benchmarks/gpu_check_mla.py --tokens 1 4 --contexts 4096 --kv fp8
+        step m1b_combine_check_bf16 80 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv bf16
+        step m1b_combine_trace 170 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results"
+        step m1b_combine_base 130 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && \
+            PYTHONPATH=\$PWD python3 '$PWD/benchmarks/mla_layers.py' --tokens 1 4" ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
         # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
         step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8
