@@ -272,6 +272,10 @@ for s in $STEPS; do
         step m1b_combine_trace 170 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results"
         step m1b_combine_base 130 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && \
             PYTHONPATH=\$PWD python3 '$PWD/benchmarks/mla_layers.py' --tokens 1 4" ;;
+    m1b_combine_pairs)  # M1B_COMBINE at 8 KB steps (planner.BACK_COMBINE_STEP): the fp8 layer three ways checked at
+        # 4096 positions (S = 1, 264 splits), traced and timed at 32 K (S = 1 and 4)
+        step m1b_combine_pairs_check 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8
+        step m1b_combine_pairs_trace 140 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results" ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
         # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
         step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8

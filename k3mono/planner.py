@@ -413,14 +413,21 @@ sm_90a SASS). More splits step over the splits, BACK_PAIRS rows a step."""
 
 BACK_COMBINE_COLS = 32
 """Latent columns an M1B_COMBINE task sums over every split of one (token, head)
-when the mono launch's M1b takes the long combine (more than BACK_SHORT_SPLITS
-splits): its own tasks then combine the splits, 16 a head at Kimi-K3's 512, and
-each M1B task reads its head's combined row. At 264 splits (the fused MLA
-layer's at S = 1) the M1B tasks combined their head's 540 KB of o themselves,
-four tasks a head, 16 KB a step: 24.7 us a task with M1b folded in, 31.3 with
-M1c too, the o_proj tasks waiting behind them (one H100, benchmarks/mla_trace.py,
-docs/PERF.md, thirty-second session). A combine task reads 34 KB, and 192 of
-them spread over the grid at S = 1."""
+at S = 1, when the mono launch's M1b takes the long combine (more than
+BACK_SHORT_SPLITS splits): its own tasks then combine the splits and each M1B
+task reads its head's combined row. At 264 splits (the fused MLA layer's at
+S = 1) the M1B tasks combined their head's 540 KB of o themselves, four tasks a
+head, 16 KB a step: 24.7 us a task with M1b folded in, 31.3 with M1c too, the
+o_proj tasks waiting behind them (one H100, benchmarks/mla_trace.py,
+docs/PERF.md, thirty-second session). The columns grow with S as the fused
+layer's splits shrink (bench_mla.fused_splits: 2 a SM over the tokens), so a
+task reads about 34 KB and 192 tasks (TP8) spread over the grid at every S."""
+
+BACK_COMBINE_STEP = 2048
+"""fp32 elements of o (8 KB) an M1B_COMBINE step reads: BACK_COMBINE_STEP /
+columns splits a step, about 5 steps a task. Time follows the steps, not the
+bytes: at 8 splits (1 KB) a step, 33 steps took 15.8 us a task at S = 1 (the
+H100 trace of the thirty-second session)."""
 
 BACK_CHUNK = 128
 """Latent columns a short combine's step: 16 splits x 128 fp32 (8 KB) and 32 w_v
@@ -567,8 +574,9 @@ class M1bGeometry:
     the same H100), ``pairs`` rows of o a combine step (``chunk`` latent
     columns when at most ``short_splits``), ``stages`` steps in flight.
     ``combine_cols``: past short_splits, the M1B_COMBINE tasks' latent columns
-    (BACK_COMBINE_COLS), whose combined rows the M1B tasks read; 0: the M1B
-    tasks combine their splits themselves."""
+    (BACK_COMBINE_COLS a token), whose combined rows the M1B tasks read
+    (``combine_pairs`` splits a step); 0: the M1B tasks combine their splits
+    themselves."""
 
     heads: int
     value: int
@@ -586,6 +594,11 @@ class M1bGeometry:
     @property
     def blocks_per_head(self) -> int:
         return self.value // self.block_dv
+
+    @property
+    def combine_pairs(self) -> int:
+        """Splits an M1B_COMBINE step reads (BACK_COMBINE_STEP elements)."""
+        return max(1, BACK_COMBINE_STEP // self.combine_cols) if self.combine_cols else 0
 
     @property
     def combine_chunks(self) -> int:
@@ -610,7 +623,8 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv:
         chunk=BACK_CHUNK,
         pairs=BACK_PAIRS,
         stages=BACK_STAGES,
-        combine_cols=min(BACK_COMBINE_COLS, shape.latent) if shape.splits > BACK_SHORT_SPLITS else 0,
+        combine_cols=min(BACK_COMBINE_COLS * next_pow2(tokens), shape.latent) if shape.splits > BACK_SHORT_SPLITS
+        else 0,
     )
 
 

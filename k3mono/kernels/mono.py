@@ -732,6 +732,7 @@ def _mono_kernel(
     M1B_DV: tl.constexpr,
     W_V_FP8: tl.constexpr,
     M1B_COMBINE_COLS: tl.constexpr,  # an M1B_COMBINE task's latent columns (0: no such tasks, M1B combines)
+    M1B_COMBINE_PAIRS: tl.constexpr,  # splits an M1B_COMBINE step reads
     CB_B: tl.constexpr,  # m1b_combined [S, heads_r * D_LATENT] bf16 (M1B_COMBINE_COLS > 0; else 0, never read)
     CB_STRIDE: tl.constexpr,  # its row stride, heads_r * D_LATENT
     M1C: tl.constexpr,  # the table has M1C tasks (planner.MonoOptions.m1c)
@@ -842,7 +843,8 @@ def _mono_kernel(
                     # start: the task's first column of the heads' latent columns (planner._Planner.m1b_combine)
                     mla_combine_task(start, token, o_ptr, stride_ok, stride_ot, stride_oh, lse_ptr, stride_lk,
                                      stride_ls, w_v_ptr, stride_wh, stride_wd, sc_bf16 + CB_B, CB_STRIDE,
-                                     SPLITS, SPLITS_P, D_LATENT, D_V, M1B_COMBINE_COLS, M1B_PAIRS, M1B_STAGES)
+                                     SPLITS, SPLITS_P, D_LATENT, D_V, M1B_COMBINE_COLS, M1B_COMBINE_PAIRS,
+                                     M1B_STAGES)
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_M1B:
                 if M1B:
