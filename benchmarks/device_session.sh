@@ -264,16 +264,16 @@ for s in $STEPS; do
             step "m1c_fold_bisect_$(basename "$tree")" 100 bash -c "cd '$tree' && PYTHONPATH=\$PWD python3 \
                 benchmarks/gpu_check_mla.py --tokens 4 --contexts 4096 --kv fp8"
         done ;;
-    m1b_combine)  # the M1B_COMBINE tasks (M1b past 16 splits): the MLA layer three ways checked at 4096 positions
-        # (fp8 S = 1 and 4: 264 and 66 splits; bf16 S = 1), traced and timed at 32 K (fp8, S = 1 and 4), then the
-        # layer three ways in $K3MONO_BASE's tree (no M1B_COMBINE tasks) at those S
+    m1b_combine)  # the M1B_COMBINE tasks of 0a3d9d1 (M1b past 16 splits; not faster, removed: docs/PERF.md,
+        # thirty-second session): the MLA layer three ways checked at 4096 positions (fp8 S = 1 and 4: 264 and 66
+        # splits; bf16 S = 1), traced and timed at 32 K (fp8, S = 1 and 4), then in $K3MONO_BASE's tree at those S
         step m1b_combine_check_fp8 150 python3 benchmarks/gpu_check_mla.py --tokens 1 4 --contexts 4096 --kv fp8
         step m1b_combine_check_bf16 80 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv bf16
         step m1b_combine_trace 170 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results"
         step m1b_combine_base 130 bash -c "cd '${K3MONO_BASE:?the tree to time against}' && \
             PYTHONPATH=\$PWD python3 '$PWD/benchmarks/mla_layers.py' --tokens 1 4" ;;
-    m1b_combine_pairs)  # M1B_COMBINE at 8 KB steps (planner.BACK_COMBINE_STEP): the fp8 layer three ways checked at
-        # 4096 positions (S = 1, 264 splits), traced and timed at 32 K (S = 1 and 4)
+    m1b_combine_pairs)  # 986be51's M1B_COMBINE at 8 KB steps (slower, removed): the fp8 layer three ways checked
+        # at 4096 positions (S = 1, 264 splits), traced and timed at 32 K (S = 1 and 4)
         step m1b_combine_pairs_check 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8
         step m1b_combine_pairs_trace 140 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results" ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check

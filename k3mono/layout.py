@@ -24,7 +24,6 @@ Scratch of a rank (only that rank reads and writes it):
     seam_hsq   [S, CH]       fp32   the seam's per-chunk sums of h^2
     split_o    [splits, S, heads_r, DL] fp32   M1c's split outputs (only with M1C tasks)
     split_lse  [splits, S, heads_r]     fp32   their log-sum-exps   (only with M1C tasks)
-    m1b_combined [S, heads_r * DL]      bf16   each (token, head)'s splits combined (only with M1B_COMBINE tasks)
     logits_parts [X - 1, S, E/T] fp32   a split router tile's earlier parts' partial logits (only when X > 1)
     z_parts      [X - 1, S, L/T] fp32   a split latent down tile's earlier parts' partial z (only when X > 1)
 
@@ -91,11 +90,10 @@ def peer_layout(cfg: K3Config, tp: int, tokens: int) -> dict:
     )
 
 
-def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None, x_parts: int = 1, m1b=None) -> dict:
+def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None, x_parts: int = 1) -> dict:
     """A rank's scratch buffer: name -> (byte offset, shape, dtype). ``m1c``: the
     launch's M1C tasks (planner.M1cGeometry: splits, heads, latent), or None;
-    ``x_parts``: the parts of K of a router / latent down tile (StageGeometry.x_parts);
-    ``m1b``: the launch's M1B tasks (planner.M1bGeometry: heads, latent, combine_cols), or None."""
+    ``x_parts``: the parts of K of a router / latent down tile (StageGeometry.x_parts)."""
     H, K, L, S = cfg.hidden_size, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, tokens
     E, chunks = cfg.num_experts, -(-H // seam_cols(H))
     regions = {
@@ -114,8 +112,6 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None, x_parts: int =
     if m1c is not None:
         regions["split_o"] = ((m1c.splits, S, m1c.heads, m1c.latent), torch.float32)
         regions["split_lse"] = ((m1c.splits, S, m1c.heads), torch.float32)
-    if m1b is not None and m1b.combine_cols:
-        regions["m1b_combined"] = ((S, m1b.heads * m1b.latent), torch.bfloat16)
     if x_parts > 1:
         regions["logits_parts"] = ((x_parts - 1, S, E // tp), torch.float32)
         regions["z_parts"] = ((x_parts - 1, S, L // tp), torch.float32)

@@ -495,7 +495,7 @@ def build(key: MonoBuild) -> Compiled:
     H, C, E, L, I, SI = cfg.matrix_dims
     data = data_layout(key)
     peer = peer_regions(key, table.num_flag_words)
-    scratch_lay = scratch_layout(cfg, T, S, g.m1c, g.x_parts, g.m1b)
+    scratch_lay = scratch_layout(cfg, T, S, g.m1c, g.x_parts)
     scratch = _scratch_regions(scratch_lay)
     half = peer["parity1"][0]
     # The interpreter runs programs one after another: the first walks the whole
@@ -540,7 +540,6 @@ def build(key: MonoBuild) -> Compiled:
         SH_B=elems(scratch["seam_h"][0], 2), SHSQ_F=elems(scratch["seam_hsq"][0], 4), CTL_I=elems(scratch["ctl"][0], 4),
         LPARTS_F=elems(scratch["logits_parts"][0], 4) if g.x_parts > 1 else 0,
         ZPARTS_F=elems(scratch["z_parts"][0], 4) if g.x_parts > 1 else 0,
-        CB_B=elems(scratch["m1b_combined"][0], 2) if "m1b_combined" in scratch else 0,
         PREFETCH=key.prefetch, SCOPE=key.scope, **_m1b_consts(g.m1b), **_m1c_consts(g.m1c),
         TRACE=key.trace,
         SLEEP_NS=0 if _interpreting() else key.poll_sleep_ns,  # the interpreter has no sleep (a timing knob only)
@@ -554,12 +553,10 @@ def _m1b_consts(m1b) -> dict:
     """The M1B constexprs; without M1B the branch is compiled out and these are 1s."""
     if m1b is None:
         return dict(M1B=False, SPLITS=1, SPLITS_P=1, D_LATENT=1, D_V=1, M1B_SHORT_SPLITS=1, M1B_CHUNK=1,
-                    M1B_PAIRS=1, M1B_STAGES=1, M1B_DV=1, W_V_FP8=False, M1B_COMBINE_COLS=0, M1B_COMBINE_PAIRS=1,
-                    CB_STRIDE=1)
+                    M1B_PAIRS=1, M1B_STAGES=1, M1B_DV=1, W_V_FP8=False)
     return dict(M1B=True, SPLITS=m1b.splits, SPLITS_P=next_pow2(m1b.splits), D_LATENT=m1b.latent, D_V=m1b.value,
                 M1B_SHORT_SPLITS=m1b.short_splits, M1B_CHUNK=min(m1b.chunk, m1b.latent), M1B_PAIRS=m1b.pairs,
-                M1B_STAGES=m1b.stages, M1B_DV=m1b.block_dv, W_V_FP8=m1b.w_v_fp8, M1B_COMBINE_COLS=m1b.combine_cols,
-                M1B_COMBINE_PAIRS=max(m1b.combine_pairs, 1), CB_STRIDE=m1b.heads * m1b.latent)
+                M1B_STAGES=m1b.stages, M1B_DV=m1b.block_dv, W_V_FP8=m1b.w_v_fp8)
 
 
 def _m1c_consts(m1c) -> dict:

@@ -411,24 +411,6 @@ _short_back). Combined at once, every row in registers, w_v's shared-memory copy
 waited for its load first and ptxas put the combine's loads behind it (offline
 sm_90a SASS). More splits step over the splits, BACK_PAIRS rows a step."""
 
-BACK_COMBINE_COLS = 32
-"""Latent columns an M1B_COMBINE task sums over every split of one (token, head)
-at S = 1, when the mono launch's M1b takes the long combine (more than
-BACK_SHORT_SPLITS splits): its own tasks then combine the splits and each M1B
-task reads its head's combined row. At 264 splits (the fused MLA layer's at
-S = 1) the M1B tasks combined their head's 540 KB of o themselves, four tasks a
-head, 16 KB a step: 24.7 us a task with M1b folded in, 31.3 with M1c too, the
-o_proj tasks waiting behind them (one H100, benchmarks/mla_trace.py,
-docs/PERF.md, thirty-second session). The columns grow with S as the fused
-layer's splits shrink (bench_mla.fused_splits: 2 a SM over the tokens), so a
-task reads about 34 KB and 192 tasks (TP8) spread over the grid at every S."""
-
-BACK_COMBINE_STEP = 2048
-"""fp32 elements of o (8 KB) an M1B_COMBINE step reads: BACK_COMBINE_STEP /
-columns splits a step, about 5 steps a task. Time follows the steps, not the
-bytes: at 8 splits (1 KB) a step, 33 steps took 15.8 us a task at S = 1 (the
-H100 trace of the thirty-second session)."""
-
 BACK_CHUNK = 128
 """Latent columns a short combine's step: 16 splits x 128 fp32 (8 KB) and 32 w_v
 rows x 128 bf16 (8 KB) of shared memory a stage."""
@@ -572,11 +554,7 @@ class M1bGeometry:
     head for one of the ``tokens`` (a task for all S combined 16 tokens' splits
     one after another at S = 16: the fold cost 59.2 us, a task a token 33.0 on
     the same H100), ``pairs`` rows of o a combine step (``chunk`` latent
-    columns when at most ``short_splits``), ``stages`` steps in flight.
-    ``combine_cols``: past short_splits, the M1B_COMBINE tasks' latent columns
-    (BACK_COMBINE_COLS a token), whose combined rows the M1B tasks read
-    (``combine_pairs`` splits a step); 0: the M1B tasks combine their splits
-    themselves."""
+    columns when at most ``short_splits``), ``stages`` steps in flight."""
 
     heads: int
     value: int
@@ -589,21 +567,10 @@ class M1bGeometry:
     chunk: int
     pairs: int
     stages: int
-    combine_cols: int = 0
 
     @property
     def blocks_per_head(self) -> int:
         return self.value // self.block_dv
-
-    @property
-    def combine_pairs(self) -> int:
-        """Splits an M1B_COMBINE step reads (BACK_COMBINE_STEP elements)."""
-        return max(1, BACK_COMBINE_STEP // self.combine_cols) if self.combine_cols else 0
-
-    @property
-    def combine_chunks(self) -> int:
-        """M1B_COMBINE tasks of one (token, head); 0 without them."""
-        return self.latent // self.combine_cols if self.combine_cols else 0
 
     @property
     def tasks(self) -> int:
@@ -623,8 +590,6 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv:
         chunk=BACK_CHUNK,
         pairs=BACK_PAIRS,
         stages=BACK_STAGES,
-        combine_cols=min(BACK_COMBINE_COLS * next_pow2(tokens), shape.latent) if shape.splits > BACK_SHORT_SPLITS
-        else 0,
     )
 
 
@@ -777,14 +742,10 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
 #   M1C           (option, with M1B) first: the split outputs o / lse into the
 #                 launch's scratch, one (token, split, head block) a task,
 #                 token-major; no wait, they read only the cache and q
-#   M1B_COMBINE   (with M1B past BACK_SHORT_SPLITS splits) a (token, head)'s
-#                 splits combined over BACK_COMBINE_COLS latent columns a task;
-#                 with M1C each waits for every M1C task (SPLITS)
 #   M1B           (option, MLA layers) next: the rank's core from M1c's split
-#                 outputs, a head's BLOCK_DV value rows of one token a task;
-#                 after M1B_COMBINE each waits for its (token, head)'s combined
-#                 row (COMBINED), otherwise it combines the head's splits itself
-#                 and, with M1C, waits for every M1C task (SPLITS)
+#                 outputs, a head's BLOCK_DV value rows a task, all tokens;
+#                 with M1C each waits for every M1C task (SPLITS: it combines
+#                 every split of its head for all tokens), issuing nothing first
 #   OPROJ         all tiles next: 22 MB at T = 8 stream at once; with M1B each
 #                 issues its weights, then waits for the whole core (CORE: it
 #                 reads every column of the rank's heads), otherwise no wait
@@ -909,7 +870,6 @@ class TaskKind(enum.IntEnum):
     ROUTE_PART = 18
     PREFETCH_SHARED = 19
     LATENT_PART = 20
-    M1B_COMBINE = 21
 
 
 class Flag(enum.IntEnum):
@@ -933,7 +893,6 @@ class Flag(enum.IntEnum):
     DISCARD = 16  # [1]        raised by a timing variant's task copies only; never awaited
     LOGIT_PARTS = 17  # [router tile, 0 unsplit] the tile's first parts' partial logits written (X_K_PARTS)
     Z_PARTS = 18  # [latent tile, 0 unsplit]     the tile's first parts' partial z written (X_K_PARTS)
-    COMBINED = 19  # [token * heads + head, 0 without M1B_COMBINE] the head's combined row written
 
 
 PEER_FLAGS = frozenset({Flag.AR1, Flag.LOGITS, Flag.Z, Flag.AR2, Flag.AR3})
@@ -1379,7 +1338,6 @@ def _x_gemv_writes(table: TaskTable, task: Task, rank: int, region: str, full: i
 
 _WRITES = {
     TaskKind.M1C: lambda tb, t, r: _split_writes(tb, t),
-    TaskKind.M1B_COMBINE: lambda tb, t, r: [Write("m1b_combined", False, (t.token, slice(*t.span)))],
     TaskKind.M1B: lambda tb, t, r: [Write("core", False, (t.token, slice(*t.span)))],
     TaskKind.NOP: lambda tb, t, r: [],
     TaskKind.OPROJ: lambda tb, t, r: [Write("ar1", True, (r, slice(None), slice(*t.span)))],
@@ -1466,9 +1424,6 @@ class _Planner:
         # M1B tiles of a token: the rank's core columns, head-major (tile = head * blocks_per_head + block)
         m1b = geometry.m1b
         self.m1b_tiles = tiles(m1b.heads * m1b.value, m1b.block_dv) if m1b is not None else []
-        # M1B_COMBINE tiles of a token: the heads' latent columns, head-major (tile = head * chunks + chunk)
-        combining = m1b is not None and m1b.combine_cols > 0
-        self.combine_tiles = tiles(m1b.heads * m1b.latent, m1b.combine_cols) if combining else []
         m1c = geometry.m1c  # M1C head blocks of one (token, split): tile = split * head_blocks + block
         self.m1c_blocks = tiles(m1c.heads, m1c.block_h) if m1c is not None else []
 
@@ -1513,33 +1468,17 @@ class _Planner:
                     self.add(TaskKind.M1C, tile=split * m1c.head_blocks + block, span=(lo, hi), token=token,
                              raises=[(Flag.SPLITS, 0)])
 
-    def _splits_waits(self) -> list:
-        """A task reading M1c's split outputs: one wait on every M1C task, when the launch runs them."""
-        m1c = self.g.m1c
-        return [_WaitSpec(Flag.SPLITS, 0, m1c.tasks)] if m1c is not None else []
-
-    def m1b_combine(self):
-        # each task combines every split of its (token, head) over its latent columns
-        m1b = self.g.m1b
-        for token in range(self.S):
-            for tile, lo, hi in self.combine_tiles:
-                head = lo // m1b.latent
-                self.add(TaskKind.M1B_COMBINE, tile=tile, span=(lo, hi), token=token, waits=self._splits_waits(),
-                         raises=[(Flag.COMBINED, token * m1b.heads + head)])
-
     def m1b(self):
         m1b = self.g.m1b
         if m1b is None:
             return
         row_bytes = m1b.latent * (1 if m1b.w_v_fp8 else 2)
+        # each task combines every split of its head for one token: one wait on every M1C task
+        m1c = self.g.m1c
+        waits = [_WaitSpec(Flag.SPLITS, 0, m1c.tasks)] if m1c is not None else []
         for token in range(self.S):
             for tile, lo, hi in self.m1b_tiles:  # token 0's tasks stream w_v, the others find it in L2
                 streams = (("w_v", (hi - lo) * row_bytes),) if token == 0 else ()
-                if self.combine_tiles:  # its head's combined row
-                    slot = token * m1b.heads + lo // m1b.value
-                    waits = [_WaitSpec(Flag.COMBINED, slot, m1b.combine_chunks)]
-                else:  # it combines every split of its head itself
-                    waits = self._splits_waits()
                 self.add(TaskKind.M1B, tile=tile, span=(lo, hi), token=token, streams=streams, waits=waits,
                          raises=[(Flag.CORE, 0)])
 
@@ -1711,7 +1650,7 @@ class _Planner:
     def in_table_order(self) -> list[_TaskSpec]:
         early = (self.prefetch_final,) if self.options.prefetch_final_early else ()
         late = () if early else (self.prefetch_final,)
-        for step in (self.m1c, self.m1b_combine, self.m1b, self.oproj, self.reduce1, self.seam_mix, self.seam_norm,
+        for step in (self.m1c, self.m1b, self.oproj, self.reduce1, self.seam_mix, self.seam_norm,
                      self.router, self.latent_down, *early, self.prefetch_shared, *self._route_shared_and_gate_up(),
                      self.expert_down, *late, self.latent_part, self.final, self.reduce3):
             step()
@@ -1733,7 +1672,6 @@ class _Planner:
             Flag.AR3: len(self.reduce3_tiles),
             Flag.CORE: 1 if self.m1b_tiles else 0,
             Flag.SPLITS: 1 if self.m1c_blocks else 0,
-            Flag.COMBINED: self.S * self.g.m1b.heads if self.combine_tiles else 0,
             Flag.MIXED: per_token,
             Flag.RANKED: per_token,
             Flag.DISCARD: 1,

@@ -33,7 +33,7 @@ from k3mono import mla
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import MonoRunner
-from k3mono.planner import BACK_COMBINE_COLS, BACK_SHORT_SPLITS, M1bShape, M1cShape, MonoOptions, TileChoice
+from k3mono.planner import BACK_SHORT_SPLITS, M1bShape, M1cShape, MonoOptions, TileChoice
 from k3mono.reference import layer_post, layer_post_tp
 from k3mono.reference import mla as ref_mla
 from k3mono.runner import error_and_budget
@@ -85,9 +85,9 @@ def bits(t):
     return t.view(torch.uint8) if t.is_floating_point() else t
 
 
-LONG_SPLITS = BACK_SHORT_SPLITS + 4  # past the short combine: M1B_COMBINE tasks combine, M1B tasks project
+LONG_SPLITS = BACK_SHORT_SPLITS + 4  # past the short combine: each M1B task steps over the splits
 CASES = [(1, 1, torch.bfloat16, SPLITS, LATENT), (1, 3, FP8, SPLITS, LATENT), (2, 1, FP8, SPLITS, LATENT),
-         (2, 3, torch.bfloat16, SPLITS, LATENT), (2, 2, torch.bfloat16, LONG_SPLITS, 2 * BACK_COMBINE_COLS),
+         (2, 3, torch.bfloat16, SPLITS, LATENT), (2, 2, torch.bfloat16, LONG_SPLITS, 2 * LATENT),
          (1, 1, FP8, LONG_SPLITS, LATENT)]
 
 
@@ -99,8 +99,7 @@ def test_mono_with_m1b_matches_the_reference_chain_and_the_staged_m1b(tp, tokens
     act = random_inputs(cfg, tokens, LAYER, seed=40 + 7 * tp + tokens)
     m1b_in = m1b_inputs(cfg, tp, tokens, w_v_dtype, seed=tp * 10 + tokens, splits=splits, latent=latent)
     runner = mla_runner(cfg, shards, tokens, w_v_dtype, splits, latent)
-    first = "M1B_COMBINE" if splits > BACK_SHORT_SPLITS else "M1B"
-    assert runner.compiled.table.tasks[0].kind.name == first
+    assert runner.compiled.table.tasks[0].kind.name == "M1B"
     got = runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
 
     # (b) each rank's launch wrote its own core: the staged M1b's bits

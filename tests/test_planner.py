@@ -59,8 +59,8 @@ TABLES = ([(*c, None) for c in CONFIGS] + [(*c, "m1b") for c in M1B_CONFIGS]
           + [(*c, "m1c") for c in M1B_CONFIGS] + [(*c, mla) for c in LONG_CONFIGS for mla in ("m1b_long", "m1c_long")]
           + [(*c, "x_groups") for c in X_GROUP_CONFIGS] + [(*c, "x_parts") for c in X_PARTS_CONFIGS])
 """(preset, T, S, mla): every config plain, a few as MLA layers whose launch runs
-M1b ("m1b"), or M1c then M1b ("m1c"), at 4 splits, or at LONG_SPLITS with the
-M1B_COMBINE tasks before M1B ("m1b_long", "m1c_long"); a few past FMA_MAX_TOKENS tokens with the
+M1b ("m1b"), or M1c then M1b ("m1c"), at 4 splits, or at LONG_SPLITS, past the
+short combine ("m1b_long", "m1c_long"); a few past FMA_MAX_TOKENS tokens with the
 router and latent down by groups of tokens ("x_groups": TileChoice.x_token_groups)
 or by X_PARTS parts of K ("x_parts": TileChoice.x_k_parts)."""
 
@@ -252,35 +252,6 @@ def test_m1c_tasks_come_first_and_every_m1b_waits_for_all_of_them(name, tp, toke
     assert LaunchSim(table, ranks=tp, ctas=table.ctas, launches=2).run().premature == []
 
 
-@pytest.mark.parametrize("name,tp,tokens", LONG_CONFIGS)
-@pytest.mark.parametrize("mla", ["m1b_long", "m1c_long"])
-def test_past_the_short_splits_combine_tasks_precede_m1b_and_each_m1b_waits_for_its_heads(name, tp, tokens, mla):
-    cfg = preset(name)
-    table, short = table_for(name, tp, tokens, mla=mla), table_for(name, tp, tokens, mla=mla[:3])
-    first = [TaskKind.M1C] if mla == "m1c_long" else []
-    assert [group.kind for group in table.groups()] == first + [TaskKind.M1B_COMBINE, TaskKind.M1B] + KIND_ORDER
-    assert [group.kind for group in short.groups()] == first + [TaskKind.M1B] + KIND_ORDER
-    g = table.geometry.m1b
-    heads, chunks = cfg.num_attention_heads // tp, g.latent // g.combine_cols
-    assert g.splits == LONG_SPLITS and g.combine_cols > 0 and short.geometry.m1b.combine_cols == 0
-    combine = [t for t in table.tasks if t.kind == TaskKind.M1B_COMBINE]
-    # token-major, then the heads' latent columns in order; one COMBINED slot a (token, head)
-    cols = tiles(heads * g.latent, g.combine_cols)
-    want = [(s, c, (lo, hi)) for s in range(tokens) for c, lo, hi in cols]
-    assert [(t.token, t.tile, t.span) for t in combine] == want
-    assert all(t.raises == (Raise(Flag.COMBINED, t.token * heads + t.span[0] // g.latent),) for t in combine)
-    assert all(t.weight_bytes == 0 for t in combine)
-    splits_waits = [w.flag for t in combine for w in t.waits]
-    assert splits_waits == ([Flag.SPLITS] * len(combine) if mla == "m1c_long" else [])
-    for task in (t for t in table.tasks if t.kind == TaskKind.M1B):
-        slot = task.token * heads + task.span[0] // g.value
-        sources = tuple(t.ticket for t in combine if t.raises[0].index == slot)
-        assert [(w.flag, w.index, w.count, w.sources) for w in task.waits] == [(Flag.COMBINED, slot, chunks, sources)]
-    assert dict(table.flag_slots)[Flag.COMBINED] == tokens * heads and dict(short.flag_slots)[Flag.COMBINED] == 0
-    assert table.summary().weights_by_tensor == short.summary().weights_by_tensor
-    assert LaunchSim(table, ranks=tp, ctas=table.ctas, launches=2).run().premature == []
-
-
 def test_m1c_needs_m1b_and_shapes_the_kernel_can_take():
     m1b = M1bShape(splits=2, latent=32)
     bad = [(None, M1cShape(page_size=16, requests=1, rope=16)), (m1b, M1cShape(page_size=0, requests=1, rope=16)),
@@ -365,8 +336,8 @@ def test_an_in_task_wait_is_refused_where_no_task_polls_it():
 def coverage_arrays(table):
     """Zero counters for every region a task writes, with one rank's shapes."""
     cfg, tp, S = table.cfg, table.tp, table.tokens
-    # M1C writes the split outputs there, M1B_COMBINE the combined rows, split router / latent down tiles their parts
-    scratch = scratch_layout(cfg, tp, S, table.geometry.m1c, table.geometry.x_parts, table.geometry.m1b)
+    # M1C writes the split outputs there, split router / latent down tiles their parts
+    scratch = scratch_layout(cfg, tp, S, table.geometry.m1c, table.geometry.x_parts)
     shapes = {name: shape for name, (_, shape, _) in {**peer_layout(cfg, tp, S), **scratch}.items()}
     shapes.pop("__end__")
     shapes["prefix"] = shapes["out"] = (S, cfg.hidden_size)

@@ -145,21 +145,20 @@ def _short_back(
 @triton.jit
 def _weighed_rows(
     first,  # the first of PAIRS splits
-    o_ptr,  # [SPLITS, WIDTH] fp32: the token's rows of o of one head, stride stride_ok, unit along WIDTH
+    o_ptr,  # [SPLITS, D_LATENT] fp32: the token's rows of o of one head, stride stride_ok, unit along D_LATENT
     stride_ok,
     lse_ptr,  # [SPLITS] fp32: the token's lse of that head, stride stride_lk
     stride_lk,
     lse_all,  # fp32 scalar
     SPLITS: tl.constexpr,
-    WIDTH: tl.constexpr,  # latent columns: D_LATENT, or an M1B_COMBINE task's
+    D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,
 ):
-    """[WIDTH] fp32: the rows of o of splits first .. first + PAIRS, weighed by exp(lse - lse_all).
-    The rows are added one by one in split order (a sum over a loaded [PAIRS, WIDTH]
-    tile would take the order of its layout, which differs between builds), so
-    every column's sum is the same whatever WIDTH a task reads."""
-    lat = tl.arange(0, WIDTH)
-    row = tl.zeros([WIDTH], dtype=tl.float32)
+    """[D_LATENT] fp32: the rows of o of splits first .. first + PAIRS, weighed by exp(lse - lse_all).
+    The rows are added one by one in split order (a sum over a loaded [PAIRS, D_LATENT]
+    tile would take the order of its layout, which differs between builds)."""
+    lat = tl.arange(0, D_LATENT)
+    row = tl.zeros([D_LATENT], dtype=tl.float32)
     for i in tl.static_range(PAIRS):
         live = first + i < SPLITS
         split = tl.minimum(first + i, SPLITS - 1)  # a dead split reads a live address, weighed 0
@@ -172,136 +171,28 @@ def _weighed_rows(
 
 @triton.jit
 def _combined_row(
-    o_ptr,  # [SPLITS, WIDTH] fp32: the token's rows of o of one head, stride stride_ok, unit along WIDTH
+    o_ptr,  # [SPLITS, D_LATENT] fp32: the token's rows of o of one head, stride stride_ok, unit along D_LATENT
     stride_ok,
     lse_ptr,  # [SPLITS] fp32: the token's lse of that head, stride stride_lk
     stride_lk,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
-    WIDTH: tl.constexpr,  # latent columns: D_LATENT, or an M1B_COMBINE task's
+    D_LATENT: tl.constexpr,
     PAIRS: tl.constexpr,  # splits a step
     STAGES: tl.constexpr,  # steps in flight
 ):
-    """[WIDTH] fp32: sum_k exp(lse[k] - lse_all) * o[k, :], a long combine.
+    """[D_LATENT] fp32: sum_k exp(lse[k] - lse_all) * o[k, :], a long combine.
 
     A step reads PAIRS splits' whole rows of o, STAGES steps in flight.
     Reading a split at a time per latent block waited out 8 x 16 loads in a row
     (about 90 us folded into the launch on the H200)."""
     lse_all = _total_lse(lse_ptr, stride_lk, SPLITS, SPLITS_P)
-    row = tl.zeros([WIDTH], dtype=tl.float32)
+    row = tl.zeros([D_LATENT], dtype=tl.float32)
     # num_stages always given: without it the loads are not pipelined at all
     # (plain LDG in an offline sm_90a build; cp.async with it above 1)
     for step in tl.range(0, triton.cdiv(SPLITS, PAIRS), num_stages=STAGES):
-        row += _weighed_rows(step * PAIRS, o_ptr, stride_ok, lse_ptr, stride_lk, lse_all, SPLITS, WIDTH, PAIRS)
+        row += _weighed_rows(step * PAIRS, o_ptr, stride_ok, lse_ptr, stride_lk, lse_all, SPLITS, D_LATENT, PAIRS)
     return row
-
-
-@triton.jit
-def _projected(
-    row,  # [D_LATENT] fp32 or bf16: the token's combined row of o of one head
-    w_rows,  # [BLOCK_DV, D_LATENT] bf16 or fp8 e4m3: the task's rows of w_v, stride stride_wd
-    stride_wd,
-    w_v_scale,  # fp32
-    D_LATENT: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    W_FP8: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """[TOKEN_ROWS, BLOCK_DV] fp32, row 0 bf16(row) . w_v's rows (the others 0)."""
-    pad = tl.arange(0, TOKEN_ROWS)[:, None]  # the token is row 0
-    w = tl.load(w_rows + tl.arange(0, BLOCK_DV)[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
-    o_c = to_bf16(tl.where(pad == 0, as_f32(row)[None, :], 0.0))
-    return dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)),
-                   tl.zeros([TOKEN_ROWS, BLOCK_DV], dtype=tl.float32), UPCAST)
-
-
-@triton.jit
-def _gated_store(
-    y,  # [TOKEN_ROWS, BLOCK_DV] fp32: row 0 the token's values (_projected, _short_back)
-    s,  # the token
-    first_col,  # the task's first core column
-    gate_ptr,  # [S, HEADS * D_V] bf16 output-gate logits, unit column stride
-    stride_gs,
-    core_ptr,  # [S, HEADS * D_V] bf16 out, unit column stride
-    stride_cs,
-    BLOCK_DV: tl.constexpr,
-):
-    """core[s, first_col ...] = bf16(y * sigmoid(gate)); the gate, asked into L2 at the task's start, read last."""
-    pad = tl.arange(0, TOKEN_ROWS)[:, None]
-    cols = first_col + tl.arange(0, BLOCK_DV)[None, :]
-    gate = as_f32(tl.load(gate_ptr + (s + pad) * stride_gs + cols, mask=pad == 0, other=0.0))
-    tl.store(core_ptr + (s + pad) * stride_cs + cols, to_bf16(y * sigmoid(gate)), mask=pad == 0)
-
-
-@triton.jit
-def mla_combine_task(
-    first,  # the task's first column of the rank's heads' latent columns [HEADS * D_LATENT], head-major
-    s,  # the token
-    o_ptr,  # [SPLITS, S, HEADS, D_LATENT] fp32, unit stride along D_LATENT
-    stride_ok,
-    stride_os,
-    stride_oh,
-    lse_ptr,  # [SPLITS, S, HEADS] fp32, unit stride along HEADS
-    stride_lk,
-    stride_ls,
-    w_v_ptr,  # [HEADS, D_V, D_LATENT] bf16 or fp8 e4m3, unit stride along D_LATENT
-    stride_wh,
-    stride_wd,
-    combined_ptr,  # [S, HEADS * D_LATENT] bf16 out, unit column stride
-    stride_cbs,
-    SPLITS: tl.constexpr,
-    SPLITS_P: tl.constexpr,
-    D_LATENT: tl.constexpr,
-    D_V: tl.constexpr,
-    COLS: tl.constexpr,  # latent columns a task (planner.BACK_COMBINE_COLS)
-    PAIRS: tl.constexpr,  # splits' rows of o a step
-    STAGES: tl.constexpr,  # steps in flight
-):
-    """combined[s, first .. first + COLS] = bf16(sum_k exp(lse[k] - lse_all) * o[k, s, h, cols]),
-    h = first // D_LATENT: the long combine's columns (_combined_row, the same sums
-    in the same order), which the head's M1B tasks (mla_project_task) then read
-    whole. The task asks L2 for its share of the head's w_v rows, so those tasks
-    find them there."""
-    h = first // D_LATENT
-    col = first % D_LATENT
-    share: tl.constexpr = triton.cdiv(D_V, D_LATENT // COLS)  # w_v rows a task asks for
-    w_head = w_v_ptr + h * stride_wh
-    rows = tl.minimum(col // COLS * share, D_V)
-    prefetch_l2(w_head + rows * stride_wd, w_head + tl.minimum(rows + share, D_V) * stride_wd)
-    row = _combined_row(o_ptr + s * stride_os + h * stride_oh + col, stride_ok, lse_ptr + s * stride_ls + h,
-                        stride_lk, SPLITS, SPLITS_P, COLS, PAIRS, STAGES)
-    tl.store(combined_ptr + s * stride_cbs + first + tl.arange(0, COLS), to_bf16(row))
-
-
-@triton.jit
-def mla_project_task(
-    h,  # this rank's head
-    dv_block,  # which BLOCK_DV value rows of the head
-    s,  # the token
-    combined_ptr,  # [S, HEADS * D_LATENT] bf16: the M1B_COMBINE tasks' rows, unit column stride
-    stride_cbs,
-    w_v_ptr,  # [HEADS, D_V, D_LATENT] bf16 or fp8 e4m3, unit stride along D_LATENT
-    stride_wh,
-    stride_wd,
-    w_v_scale,  # fp32: fp8 dequantisation scale (1.0 for bf16)
-    gate_ptr,  # [S, HEADS * D_V] bf16 output-gate logits, head-major, unit column stride
-    stride_gs,
-    core_ptr,  # [S, HEADS * D_V] bf16 out, unit column stride
-    stride_cs,
-    D_LATENT: tl.constexpr,
-    D_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    W_FP8: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """core[s, h*D_V + dv_block*BLOCK_DV ...] from the head's combined row: mla_back_task's
-    long combine split in two kinds of task, the same bits."""
-    first_col = h * D_V + dv_block * BLOCK_DV
-    prefetch_l2(gate_ptr + s * stride_gs + first_col, gate_ptr + s * stride_gs + first_col + BLOCK_DV)
-    row = tl.load(combined_ptr + s * stride_cbs + h * D_LATENT + tl.arange(0, D_LATENT))
-    y = _projected(row, w_v_ptr + h * stride_wh + dv_block * BLOCK_DV * stride_wd, stride_wd, w_v_scale, D_LATENT,
-                   BLOCK_DV, W_FP8, UPCAST)
-    _gated_store(y, s, first_col, gate_ptr, stride_gs, core_ptr, stride_cs, BLOCK_DV)
 
 
 @triton.jit
@@ -350,14 +241,20 @@ def mla_back_task(
     first_col = h * D_V + dv_block * BLOCK_DV
     w_rows = w_v_ptr + h * stride_wh + dv_block * BLOCK_DV * stride_wd
     prefetch_l2(gate_ptr + s * stride_gs + first_col, gate_ptr + s * stride_gs + first_col + BLOCK_DV)
+    pad = tl.arange(0, TOKEN_ROWS)[:, None]  # the token is row 0
     if SPLITS <= SHORT_SPLITS:
         y = _short_back(o_row, stride_ok, lse_row, stride_lk, w_rows, stride_wd, w_v_scale, SPLITS, D_LATENT, CHUNK,
                         STAGES, BLOCK_DV, W_FP8, UPCAST)
     else:
         prefetch_l2(w_rows, w_rows + BLOCK_DV * stride_wd)
         row = _combined_row(o_row, stride_ok, lse_row, stride_lk, SPLITS, SPLITS_P, D_LATENT, PAIRS, STAGES)
-        y = _projected(row, w_rows, stride_wd, w_v_scale, D_LATENT, BLOCK_DV, W_FP8, UPCAST)
-    _gated_store(y, s, first_col, gate_ptr, stride_gs, core_ptr, stride_cs, BLOCK_DV)
+        w = tl.load(w_rows + tl.arange(0, BLOCK_DV)[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
+        o_c = to_bf16(tl.where(pad == 0, row[None, :], 0.0))
+        y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)),
+                    tl.zeros([TOKEN_ROWS, BLOCK_DV], dtype=tl.float32), UPCAST)
+    cols = first_col + tl.arange(0, BLOCK_DV)[None, :]
+    gate = as_f32(tl.load(gate_ptr + (s + pad) * stride_gs + cols, mask=pad == 0, other=0.0))
+    tl.store(core_ptr + (s + pad) * stride_cs + cols, to_bf16(y * sigmoid(gate)), mask=pad == 0)
 
 
 @triton.jit

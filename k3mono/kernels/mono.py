@@ -81,7 +81,7 @@ from .gemv import gemv_part, gemv_tile, group_window, store_rows, sum_parts
 from .latent_down import latent_down_task
 from .latent_norm import latent_part_task, latent_scale
 from .mla_attn import mla_attn_task
-from .mla_back import mla_back_task, mla_combine_task, mla_project_task
+from .mla_back import mla_back_task
 from .mxfp4 import ACT_PRESCALE
 from .oproj import oproj_task
 from .reduce import final_reduce_chunk, reduce_prefix_chunk
@@ -106,7 +106,6 @@ K_REDUCE3 = tl.constexpr(12)
 K_M1B = tl.constexpr(13)
 K_NOP = tl.constexpr(14)
 K_M1C = tl.constexpr(15)
-K_M1B_COMBINE = tl.constexpr(21)
 K_SEAM_MIX = tl.constexpr(16)
 K_SEAM_NORM = tl.constexpr(17)
 K_ROUTE_PART = tl.constexpr(18)
@@ -731,10 +730,6 @@ def _mono_kernel(
     M1B_STAGES: tl.constexpr,
     M1B_DV: tl.constexpr,
     W_V_FP8: tl.constexpr,
-    M1B_COMBINE_COLS: tl.constexpr,  # an M1B_COMBINE task's latent columns (0: no such tasks, M1B combines)
-    M1B_COMBINE_PAIRS: tl.constexpr,  # splits an M1B_COMBINE step reads
-    CB_B: tl.constexpr,  # m1b_combined [S, heads_r * D_LATENT] bf16 (M1B_COMBINE_COLS > 0; else 0, never read)
-    CB_STRIDE: tl.constexpr,  # its row stride, heads_r * D_LATENT
     M1C: tl.constexpr,  # the table has M1C tasks (planner.MonoOptions.m1c)
     M1C_HEADS: tl.constexpr,  # heads_r
     M1C_B: tl.constexpr,  # requests
@@ -838,27 +833,13 @@ def _mono_kernel(
                                   M1C_HEADS, M1C_B, M1C_BP, PAGE_SIZE, D_LATENT, D_ROPE, SPLITS, M1C_BH, M1C_BN,
                                   M1C_STAGES, KV_FP8, UPCAST)
                     raise_counter(flags + rword, SCOPE)
-            elif kind == K_M1B_COMBINE:
-                if M1B_COMBINE_COLS > 0:
-                    # start: the task's first column of the heads' latent columns (planner._Planner.m1b_combine)
-                    mla_combine_task(start, token, o_ptr, stride_ok, stride_ot, stride_oh, lse_ptr, stride_lk,
-                                     stride_ls, w_v_ptr, stride_wh, stride_wd, sc_bf16 + CB_B, CB_STRIDE,
-                                     SPLITS, SPLITS_P, D_LATENT, D_V, M1B_COMBINE_COLS, M1B_COMBINE_PAIRS,
-                                     M1B_STAGES)
-                    raise_counter(flags + rword, SCOPE)
             elif kind == K_M1B:
                 if M1B:
                     # tile = head * (D_V / M1B_DV) + value-row block (planner._m1b_tiles)
-                    if M1B_COMBINE_COLS > 0:
-                        mla_project_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), token, sc_bf16 + CB_B,
-                                         CB_STRIDE, w_v_ptr, stride_wh, stride_wd, w_v_scale, gate_ptr,
-                                         stride_gs, core_ptr, stride_cs, D_LATENT, D_V, M1B_DV, W_V_FP8, UPCAST)
-                    else:
-                        mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), token, o_ptr, stride_ok,
-                                      stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh,
-                                      stride_wd, w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs, SPLITS, SPLITS_P,
-                                      D_LATENT, D_V, M1B_SHORT_SPLITS, M1B_CHUNK, M1B_PAIRS, M1B_STAGES, M1B_DV,
-                                      W_V_FP8, UPCAST)
+                    mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), token, o_ptr, stride_ok,
+                                  stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd,
+                                  w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT,
+                                  D_V, M1B_SHORT_SPLITS, M1B_CHUNK, M1B_PAIRS, M1B_STAGES, M1B_DV, W_V_FP8, UPCAST)
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
