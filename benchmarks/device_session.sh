@@ -276,6 +276,13 @@ for s in $STEPS; do
         # at 4096 positions (S = 1, 264 splits), traced and timed at 32 K (S = 1 and 4)
         step m1b_combine_pairs_check 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8
         step m1b_combine_pairs_trace 140 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results" ;;
+    m1c_fold_ctas)  # the MLA layer with M1c folded in at S = 16 on 2 CTAs a SM (255 registers) instead of the
+        # default 3 (168): at 3 the folded M1C step loop spills, none at 2 (offline sm_90a: 25 LDL and 6 STL a step,
+        # 810 instructions against 757; docs/PERF.md, thirty-second session). Checked at 2, then timed at 3 and 2
+        step m1c_fold_ctas_check 100 python3 benchmarks/gpu_check_mla.py --tokens 16 --contexts 4096 --kv fp8 \
+            --set ctas_per_sm=2
+        step m1c_fold_ctas_3 140 python3 benchmarks/mla_layers.py --tokens 16
+        step m1c_fold_ctas_2 140 python3 benchmarks/mla_layers.py --tokens 16 --set ctas_per_sm=2 ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
         # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
         step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8

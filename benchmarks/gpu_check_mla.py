@@ -11,10 +11,11 @@ DV 128), bf16 and fp8 caches, contexts of 1 K, 32 K and 128 K positions:
   the three ways loaded and run again, each round the first round's bits.
 
     python benchmarks/gpu_check_mla.py [--tokens 1 4] [--contexts 1024 32768 131072] [--splits 0 16] [--rounds 3]
-        [--device cuda]
+        [--set ctas_per_sm=2 ...] [--device cuda]
 
 ``--device cpu`` runs the same under the Triton interpreter (small contexts
-only). Prints one line per case and exits non-zero on any failure.
+only). ``--set``: fields of the three ways' mono defaults (mono.default_options_with).
+Prints one line per case and exits non-zero on any failure.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def staged_case(tokens: int, context: int, kv_dtype: str, device) -> bool:
     return ok
 
 
-def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int | None, rounds: int = 1) -> bool:
+def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int | None, rounds: int = 1,
+               fields: dict | None = None) -> bool:
     from k3mono.bench_mla import fused_splits, mla_fused_calls
     from k3mono.mono import device_sms
 
@@ -65,7 +67,7 @@ def fused_case(cfg, shard, tokens: int, context: int, kv_dtype: str, splits: int
         # loaded afresh each round: a launch updates its copy of prefix in place (AttnRes), so a second
         # launch on the same loads is another computation
         calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer=13, splits=splits,
-                                folded_tile=True)
+                                folded_tile=True, fields=fields)
         for name, runner in zip(names, calls["runners"]):
             runner.poison()
             calls[name]()
@@ -134,10 +136,12 @@ def main() -> int:
                              "planner.BACK_SHORT_SPLITS take M1b's short combine)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="each way's runs: every round the same bits as the first, too")
+    parser.add_argument("--set", nargs="*", default=[], help="NAME=VALUE: fields of the three ways' mono defaults")
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from k3mono.config import preset
+    from k3mono.mono import parse_option_fields
     from k3mono.synthetic import random_shard
 
     device = torch.device(args.device)
@@ -150,7 +154,8 @@ def main() -> int:
             for kv_dtype in args.kv:
                 failures += not staged_case(tokens, context, kv_dtype, device)
                 for splits in args.splits:
-                    failures += not fused_case(cfg, shard, tokens, context, kv_dtype, splits or None, args.rounds)
+                    failures += not fused_case(cfg, shard, tokens, context, kv_dtype, splits or None, args.rounds,
+                                               parse_option_fields(args.set))
                 print(f"  ({time.time() - started:.0f} s in)", flush=True)
     print(f"gpu_check_mla: {'all ok' if not failures else f'{failures} FAILED'} ({time.time() - started:.0f} s)")
     return 1 if failures else 0

@@ -297,20 +297,23 @@ def fused_splits(tokens: int, sms: int) -> int:
 
 
 def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shard, layer: int,
-                    splits: int = FOLD_SPLITS, folded_tile: bool = False, trace: bool = False) -> dict:
+                    splits: int = FOLD_SPLITS, folded_tile: bool = False, trace: bool = False,
+                    fields: dict | None = None) -> dict:
     """The three ways to run one MLA layer of rank 0 (loopback), M1c at ``splits``,
     as calls on loaded runners: {"separate", "m1b", "m1c"} -> call. Rank 0's inputs
     are every rank's (the loopback pre-writes come from the same staged chain). The
     separate M1c runs at its own tile (mla.attn_tile), or with ``folded_tile`` at the
     M1C tasks' of the third way, which then gives the first two ways' bits. ``trace``:
-    the two folded ways' launches are trace builds (k3mono/trace.py)."""
+    the two folded ways' launches are trace builds (k3mono/trace.py); ``fields``: the
+    three launches' options other than the defaults (mono.default_options_with)."""
     import dataclasses
 
     from .mla import attn_tile
-    from .mono import MonoRunner, default_options
+    from .mono import MonoRunner, default_options_with
     from .planner import M1bShape, M1cShape
     from .synthetic import random_inputs
 
+    options = default_options_with(tokens, fields or {})
     device = shard.o_proj.device
     ranks = [dataclasses.replace(shard, rank=r) for r in range(tp)]
     act = {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=7).items()}
@@ -322,12 +325,13 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     attend()  # the split outputs the m1b runner's M1b reads
     staged_back, core = back_call(attn, o, lse)
     staged_back()
-    plain = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens))
+    plain = MonoRunner(cfg, ranks, tokens, layer, options=options)
     plain.load_inputs(core.repeat(1, tp), act["prefix"], act["blocks"])  # every rank's heads see rank 0's inputs
     back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
-    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens, m1b=m1b), trace=trace)
+    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=dataclasses.replace(options, m1b=m1b), trace=trace)
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
-    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=default_options(tokens, m1b=m1b, m1c=m1c), trace=trace)
+    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=dataclasses.replace(options, m1b=m1b, m1c=m1c),
+                          trace=trace)
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {
         "separate": lambda: (attend(), back(), plain.launch(0)),
@@ -340,9 +344,9 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
 
 
 def bench_mla_fused(cfg, shard, bandwidth: float, layer: int, tokens_list=TOKENS, contexts=CONTEXTS,
-                    kv_dtypes=KV_DTYPES) -> list[dict]:
+                    kv_dtypes=KV_DTYPES, fields: dict | None = None) -> list[dict]:
     """Per (cache dtype, context, S): the separate, M1b-folded and M1c-folded launches (us) and the floor,
-    M1c at fused_splits."""
+    M1c at fused_splits; ``fields``: mla_fused_calls'."""
     from .floor import floor_bytes
     from .mono import device_sms
     from .timing import time_graph
@@ -352,7 +356,8 @@ def bench_mla_fused(cfg, shard, bandwidth: float, layer: int, tokens_list=TOKENS
         for context in contexts:
             for tokens in tokens_list:
                 splits = fused_splits(tokens, device_sms(shard.o_proj.device))
-                calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer, splits)
+                calls = mla_fused_calls(cfg, shard.tp, tokens, context, kv_dtype, shard, layer, splits,
+                                        fields=fields)
                 m1b, m1c = calls["shapes"]
                 floor = floor_bytes(cfg, shard.tp, tokens, m1b=m1b, m1c=m1c, context=tokens * context,
                                     nblocks=cfg.num_blocks(layer))

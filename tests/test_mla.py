@@ -432,7 +432,8 @@ def test_bench_fused_mla_calls_run_the_three_ways_to_the_same_outputs():
 
     cfg = preset("tiny")
     calls = mla_fused_calls(cfg, 1, 2, 70, "fp8", random_shard(cfg, 1, seed=0, device="cpu"), layer=13,
-                            folded_tile=True)
+                            folded_tile=True, fields={"ctas_per_sm": 3})
+    assert [runner.key.options.ctas_per_sm for runner in calls["runners"]] == [3, 3, 3]
     outs = []
     for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
         runner.poison()
