@@ -11,7 +11,8 @@ the launch's routes), within BUDGET_FACTOR of the bf16 chain's own error;
 routes must equal the bf16 chain's. The core the launch wrote must be the
 staged M1b's bit for bit (the same task function on the same data in the
 same order). Outputs and core start poisoned (NaN), so an element left
-unwritten fails.
+unwritten fails. Cases past planner.BACK_SHORT_SPLITS splits (LONG_SPLITS)
+take M1b's long combine, which steps over the splits.
 
 With M1c in the launch as well (MonoOptions(m1c=...)), the launch starts from
 q and a paged latent cache: the chain is the reference M1c -> M1b ->
