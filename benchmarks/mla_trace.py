@@ -38,7 +38,7 @@ def main() -> None:
     from k3mono.mono import device_sms
     from k3mono.synthetic import random_shard
     from k3mono.timing import time_graph
-    from k3mono.trace import format_summary, format_timeline, timeline
+    from k3mono.trace import TICKET_FIELDS, format_summary, format_timeline, timeline
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
@@ -67,7 +67,7 @@ def main() -> None:
                 os.makedirs(args.out, exist_ok=True)
                 record = dict(kv=args.kv, context=args.context, tokens=tokens, splits=splits, way=way,
                               times_us=times, launch_span_us=span, kinds=[dataclasses.asdict(s) for s in spans],
-                              tickets_fields=["kind", "sm", "taken_us", "ready_us", "done_us"], tickets=tickets)
+                              tickets_fields=list(TICKET_FIELDS), tickets=tickets)
                 name = f"mla-trace-{args.kv}-{args.context}-S{tokens}-{way}.json"
                 with open(os.path.join(args.out, name), "w") as f:
                     json.dump(record, f, indent=1)

@@ -41,7 +41,7 @@ from k3mono.mono import DEFAULT_PREFETCH, default_options_with, parse_option_fie
 from k3mono.planner import BACK_BLOCK_DV, TaskKind
 from k3mono.synthetic import random_shard
 from k3mono.timing import time_graph
-from k3mono.trace import KindSpan, format_summary, format_timeline, summarize, ticket_rows, timeline
+from k3mono.trace import TICKET_FIELDS, KindSpan, format_summary, format_timeline, summarize, ticket_rows, timeline
 
 WARM_LAUNCHES = 3
 
@@ -135,7 +135,7 @@ def main() -> None:
             record = dict(tp=args.tp, tokens=tokens, poll_sleep_ns=sleep_ns, m1b=args.m1b, m1b_rows=rows, given=given,
                           prefetch=prefetch, traced_us=traced * 1e6, plain_us=plain * 1e6, launch_span_us=launch_us,
                           kinds=[dataclasses.asdict(s) for s in spans],
-                          tickets_fields=["kind", "sm", "taken_us", "ready_us", "done_us"], tickets=tickets)
+                          tickets_fields=list(TICKET_FIELDS), tickets=tickets)
             name = f"mono-trace-S{tokens}-sleep{sleep_ns}{'-m1b' if args.m1b else ''}"
             if prefetch != DEFAULT_PREFETCH:
                 name += f"-prefetch{prefetch}"

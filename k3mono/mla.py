@@ -138,10 +138,13 @@ def rank_cores(m1b_in_per_rank) -> torch.Tensor:
     return torch.cat(cores, dim=1)
 
 
-def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int, folded_tile: bool = False) -> list[dict]:
+def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int) -> list[dict]:
     """Each rank's M1b inputs (M1B_INPUTS) from its M1c inputs (a dict of M1C_INPUTS)
-    and its M1b weights (a dict of M1B_WEIGHTS): its M1c, one launch a rank (at the
-    mono launch's M1C tile with ``folded_tile``: mla_attn)."""
+    and its M1b weights (a dict of M1B_WEIGHTS): its M1c, one launch a rank, at the
+    mono launch's M1C tile (mla_attn's folded_tile): the split outputs a launch with
+    M1c folded in writes, bit for bit. (At M1c's own tile, 64 positions a step over
+    fp8, a longer split sums its softmax in other steps: the loopback pre-writes
+    of MonoRunner.load_mla_inputs differed from the launches they stand for.)"""
     out = []
     for rank, (attn_in, weights) in enumerate(zip(m1c_in_per_rank, m1b_weights_per_rank)):
         check_m1b_keys(f"m1c_in[{rank}]", attn_in, M1C_INPUTS)
@@ -149,7 +152,7 @@ def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int, folde
         _, _, latent = check_w_v(weights["w_v"])
         o, lse = mla_attn(attn_in["q"], attn_in["kv"], attn_in["qsl"], attn_in["seq_lens"], attn_in["pages"],
                           attn_in["indptr"], attn_in["scale"], kv_scale=attn_in["kv_scale"], splits=splits,
-                          latent_dim=latent, folded_tile=folded_tile)
+                          latent_dim=latent, folded_tile=True)
         out.append({**weights, "o": o, "lse": lse})
     return out
 

@@ -1253,7 +1253,7 @@ class MonoRunner:
         """An MLA layer's inputs (M1b build): m1b_in one dict a rank, with M1c
         (M1c build) m1c_in one dict a rank too, every one checked before
         anything runs. In loopback the other ranks' pushes come from the core
-        every rank's staged M1c (M1c build, at the M1C tasks' tile: the split
+        every rank's staged M1c (M1c build; mla.with_split_outputs: the split
         outputs the other ranks' launches would write) and M1b write."""
         from .mla import rank_cores, with_split_outputs
         from .reference.mla import check_requests
@@ -1277,8 +1277,7 @@ class MonoRunner:
         for r, rank in enumerate(self.rank_states):
             rank.load_m1b_inputs(m1b_in[r], prefix, blocks, None if m1c_in is None else m1c_in[r])
         if self.loopback and self.tp > 1:
-            back_in = m1b_in if m1c_in is None else with_split_outputs(
-                m1c_in, m1b_in, self.key.m1b.splits, folded_tile=True)
+            back_in = m1b_in if m1c_in is None else with_split_outputs(m1c_in, m1b_in, self.key.m1b.splits)
             self._prewrite(rank_cores(back_in), prefix, blocks)
 
     def _check_per_rank(self, name: str, what: str, per_rank) -> None:

@@ -53,9 +53,13 @@ def _readings(trace: torch.Tensor, table) -> torch.Tensor:
     return rows
 
 
+TICKET_FIELDS = ("kind", "sm", "taken_us", "ready_us", "done_us")
+"""The fields of a ticket_rows row (the saved traces' ``tickets_fields``)."""
+
+
 def ticket_rows(trace: torch.Tensor, table) -> list[list]:
-    """Every ticket as [kind, SM, taken, ready, done] (us after the launch's first
-    ticket), in ticket order: which CTA held what, when."""
+    """Every ticket as [kind, SM, taken, ready, done] (TICKET_FIELDS; us after the
+    launch's first ticket), in ticket order: which CTA held what, when."""
     rows = _readings(trace, table)
     origin = int(rows[:, 1].min())
     return [[task.kind.name, int(row[0])] + [round((int(t) - origin) / NS_PER_US, 3) for t in row[1:]]
