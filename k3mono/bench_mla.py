@@ -330,8 +330,8 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
     folded_b = MonoRunner(cfg, ranks, tokens, layer, options=dataclasses.replace(options, m1b=m1b), trace=trace)
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
-    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=dataclasses.replace(options, m1b=m1b, m1c=m1c),
-                          trace=trace)
+    options_c = default_options_with(tokens, fields or {}, m1b=m1b, m1c=m1c)  # the M1c fold's own CTAs a SM
+    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=options_c, trace=trace)
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {
         "separate": lambda: (attend(), back(), plain.launch(0)),

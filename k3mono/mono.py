@@ -145,9 +145,22 @@ S = 8 218.5 -> 222.6 and S = 1 75.6 -> 88.3 lose (the latency chain's tasks shar
 their SM with two more CTAs); 4 CTAs (128 registers) lost at every S but 16 (350.6)."""
 
 
-def default_ctas_per_sm(tokens: int) -> int:
+FOLDED_M1C_CTAS_PER_SM = 2
+"""CTAs a SM of a launch with M1c folded in, at every S: at MANY_TOKENS_CTAS_PER_SM
+(168 registers) its M1C step loop spills, at 2 (255) it does not (offline sm_90a,
+one rank of TP8, fp8 cache: S = 16 25 local loads and 6 stores a step, S = 12 20
+and 31 in two step loops, none at 2). Measured on one H100 at S = 16, 32 K fp8
+cache, 16 splits (benchmarks/mla_layers.py, docs/PERF.md): 590.0 us at 3 against
+566.6 at 2, while the plain and M1b-folded launches keep 3 (464.0 -> 472.7 and
+478.9 -> 492.7 at 2)."""
+
+
+def default_ctas_per_sm(tokens: int, m1c_folded: bool = False) -> int:
     """CTAs a SM the mono launch of S = ``tokens`` plans: DEFAULT_CTAS_PER_SM, from
-    MANY_CTAS_MIN_TOKENS on MANY_TOKENS_CTAS_PER_SM."""
+    MANY_CTAS_MIN_TOKENS on MANY_TOKENS_CTAS_PER_SM; FOLDED_M1C_CTAS_PER_SM where
+    M1c is folded in (``m1c_folded``)."""
+    if m1c_folded:
+        return FOLDED_M1C_CTAS_PER_SM
     return MANY_TOKENS_CTAS_PER_SM if tokens >= MANY_CTAS_MIN_TOKENS else DEFAULT_CTAS_PER_SM
 
 
@@ -325,8 +338,10 @@ S = 8 222.1 -> 224.8 on another call's machine."""
 def default_options(tokens: int, **choices) -> MonoOptions:
     """MonoOptions at the measured defaults for S = ``tokens`` (default_ctas_per_sm,
     default_tiles, DEFAULT_POLL_SLEEP_NS, DEFAULT_PREFETCH_FINAL, SINGLE_TOKEN_SHARED_LATE
-    at S = 1, expert_evict_first up to EVICT_FIRST_MAX_TOKENS), any field overridden by ``choices``."""
-    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens), tiles=default_tiles(tokens),
+    at S = 1, expert_evict_first up to EVICT_FIRST_MAX_TOKENS), any field overridden by ``choices``
+    (an M1cShape ``m1c`` among them sets the M1c fold's CTAs a SM)."""
+    m1c_folded = choices.get("m1c") is not None
+    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens, m1c_folded), tiles=default_tiles(tokens),
                   poll_sleep_ns=DEFAULT_POLL_SLEEP_NS, prefetch_final=DEFAULT_PREFETCH_FINAL,
                   shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1, expert_evict_first=tokens <= EVICT_FIRST_MAX_TOKENS)
     return MonoOptions(**{**fields, **choices})
@@ -339,9 +354,10 @@ OPTION_FIELDS = ("prefetch_final", "prefetch_final_early", "prefetch_shared", "r
 """The MonoOptions fields ``default_options_with`` sets (the others are shapes or tiles)."""
 
 
-def default_options_with(tokens: int, fields: dict[str, int]) -> MonoOptions:
-    """default_options(S) with ``fields`` set: TileChoice fields or OPTION_FIELDS,
-    by name, each an int (0 / 1 for a bool), as the benchmarks' command lines give them."""
+def default_options_with(tokens: int, fields: dict[str, int], **shapes) -> MonoOptions:
+    """default_options(S, **shapes) with ``fields`` set: TileChoice fields or OPTION_FIELDS,
+    by name, each an int (0 / 1 for a bool), as the benchmarks' command lines give them;
+    ``shapes`` the MLA layer's (m1b, m1c), as MonoOptions takes them."""
     tile_types = {field.name: type(field.default) for field in dataclasses.fields(TileChoice)}
     option_types = {field.name: type(field.default) for field in dataclasses.fields(MonoOptions)}
     tiles, options = {}, {}
@@ -352,7 +368,7 @@ def default_options_with(tokens: int, fields: dict[str, int]) -> MonoOptions:
             options[name] = option_types[name](value)
         else:
             raise K3InputError(f"options: {name!r} is neither a TileChoice field nor one of {OPTION_FIELDS}")
-    return default_options(tokens, tiles=default_tiles(tokens, **tiles), **options)
+    return default_options(tokens, tiles=default_tiles(tokens, **tiles), **options, **shapes)
 
 
 def parse_option_fields(items: list[str]) -> dict[str, int]:

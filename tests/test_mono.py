@@ -20,7 +20,8 @@ import triton
 
 from k3mono.config import preset
 from k3mono.errors import K3InputError
-from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOWN_ROWS, SINGLE_TOKEN_LATENT_ROWS,
+from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, FOLDED_M1C_CTAS_PER_SM, SINGLE_TOKEN_DOWN_ROWS,
+                         SINGLE_TOKEN_LATENT_ROWS,
                          WIDE_DOWN_MIN_TOKENS, WIDE_DOWN_ROWS, WIDE_DOWN_STEP_KB,
                          SINGLE_TOKEN_ROUTER_ROWS, SINGLE_TOKEN_SHARED_STEP_KB, WIDE_OPROJ_MAX_TOKENS,
                          WIDE_OPROJ_STEP_KB,
@@ -29,7 +30,8 @@ from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, SINGLE_TOKEN_DOW
                          peer_regions, scratch_regions)
 from k3mono.mxfp4 import mma_order
 from k3mono.kernels import mono as mono_kernels
-from k3mono.planner import (COL, MAX_WAITS, MONO_WARPS, SM_REGISTERS, M1bShape, MonoOptions, TaskKind, TileChoice,
+from k3mono.planner import (COL, MAX_WAITS, MONO_WARPS, SM_REGISTERS, M1bShape, M1cShape, MonoOptions, TaskKind,
+                            TileChoice,
                             expert_mma_tile, next_pow2)
 from k3mono.reference import layer_post_tp
 from k3mono.runner import error_and_budget
@@ -443,7 +445,7 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     WIDE_OPROJ_STEP_KB o_proj step; every S the
     FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the expert weights evict_first;
     from MANY_CTAS_MIN_TOKENS 3 CTAs a SM under a register cap that keeps them
-    resident; a caller's options are kept as given."""
+    resident, but 2 with M1c folded in; a caller's options are kept as given."""
     cfg = preset("kimi-k3")
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
@@ -460,6 +462,9 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     assert all(k.options.prefetch_final for k in keys.values())
     assert [k.ctas_per_sm for k in keys.values()] == [2, 2, 2, 2, 3]  # MANY_CTAS_MIN_TOKENS
     assert [k.max_registers for k in keys.values()] == [None, None, None, None, 168]
+    m1c = M1cShape(page_size=64, requests=16, kv_fp8=True)
+    folded = default_options(16, m1b=M1bShape(splits=16, latent=512), m1c=m1c)
+    assert folded.ctas_per_sm == FOLDED_M1C_CTAS_PER_SM == 2  # its M1C step loop spills at 3
     given = MonoOptions(tiles=TileChoice(down_rows=32))
     assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).options == given
 
