@@ -70,6 +70,40 @@ def _load_w(
 
 
 @triton.jit
+def _w_ptrs(
+    w_ptr,  # [N, K] bf16, row stride stride_wn, unit column stride
+    stride_wn,
+    row0,
+    N: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[ROWS, BLOCK_K] pointers to a tile's rows at column 0, the rows past N
+    clamped onto N - 1 (loads stay unpredicated per element)."""
+    rows = tl.minimum(row0 + tl.arange(0, ROWS), N - 1)
+    return w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+
+
+@triton.jit
+def first_step(
+    w_ptr,  # [N, K] bf16, row stride stride_wn, unit column stride
+    stride_wn,
+    row0,
+    take,  # whether to load it (a task of the kind that holds it)
+    N: tl.constexpr,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """[ROWS, BLOCK_K] bf16: the first weight step of gemv_tile's FMA loop for
+    the tile at row0, for a task to load before its waits and pass as ``held``
+    (its stream then starts while the waits settle); zeros, and no memory
+    traffic, where ``take`` is false."""
+    return _load_w(_w_ptrs(w_ptr, stride_wn, row0, N, ROWS, BLOCK_K), tl.where(take, 0, K), K, BLOCK_K, EVEN_K)
+
+
+@triton.jit
 def _load_x_bcast(
     x_row_ptr,  # [K] bf16: one token of x
     zero_rows,  # [ROWS] int32 zeros: the weight tile's row axis, to broadcast over
@@ -181,16 +215,20 @@ def gemv_tile(
     norm_ptr=None,  # [K] bf16: X_RMS's norm vector
     x_scale=1.0,  # fp32: X_RMS's scale
     X_RMS: tl.constexpr = False,
+    held=None,  # [ROWS, BLOCK_K] bf16: the first step, loaded already (first_step; HELD)
+    HELD: tl.constexpr = False,
 ):
     """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring).
 
     X_RMS (one token, the FMA path): x_ptr holds h and the tile multiplies
     x = rms_value(h, norm, x_scale), formed as it streams: the bits a norm step
-    would have stored, without that step's poll and round trip."""
+    would have stored, without that step's poll and round trip.
+    HELD (the FMA path): the loop starts from ``held`` instead of loading its
+    first step: the same tile, so the same sums."""
     tl.static_assert(not X_RMS or (S == 1 and not USE_DOT))
-    rows = tl.minimum(row0 + tl.arange(0, ROWS), N - 1)
+    tl.static_assert(not HELD or not USE_DOT)
     kk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + kk[None, :]
+    w_ptrs = _w_ptrs(w_ptr, stride_wn, row0, N, ROWS, BLOCK_K)
     tok = tl.arange(0, SP)
     if USE_DOT:
         acc = tl.zeros([SP, ROWS], dtype=tl.float32)
@@ -220,7 +258,10 @@ def gemv_tile(
         # The next step's load is issued once this step's registers are read,
         # so one step is in flight while this step's FMAs run (the dot path
         # gets more from Triton's pipeliner).
-        w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
+        if HELD:
+            w_next = held
+        else:
+            w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
         for k0 in range(0, K, BLOCK_K):
             w = as_f32(w_next)
             w_next = _load_w(w_ptrs, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
