@@ -277,19 +277,17 @@ for s in $STEPS; do
         step m1b_combine_pairs_check 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8
         step m1b_combine_pairs_trace 140 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results" ;;
     hold_check)  # the first weight step held in registers before a task's waits (MonoOptions.hold_*): the router, latent
-        # down and FINAL at T = 1 and loopback T = 8 (S = 1, 4: the FMA path's), o_proj with M1b folded in (the MLA
-        # layer three ways)
-        step hold_check_mono 200 python3 benchmarks/gpu_check.py --skip-staged --tp 8 1 --tokens 1 4 --grids 132 1 \
+        # down and FINAL at loopback T = 8 (S = 1, 4: the FMA path's), o_proj with M1b folded in (the MLA layer three
+        # ways)
+        step hold_check_mono 150 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 1 4 --grids 132 1 \
             --occupy-sms 0 --hold-router 1 --hold-latent-down 1 --hold-final 1
         step hold_check_mla 100 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8 --set hold_oproj=1 ;;
     hold_oproj)  # o_proj's first step held while M1B writes the core (S = 1, M1b folded in), then the router's (S = 1, 4)
         step hold_oproj_ab 130 python3 benchmarks/defaults_ab.py --m1b --field hold_oproj --values 0 1 --tokens 1
         step hold_router_ab 150 python3 benchmarks/defaults_ab.py --field hold_router --values 0 1 --tokens 1 4 ;;
-    hold_rest)  # the latent down's and FINAL's first steps held (S = 1, 4), then all three dense kinds at once
+    hold_rest)  # the latent down's and FINAL's first steps held (S = 1, 4)
         step hold_latent_down_ab 150 python3 benchmarks/defaults_ab.py --field hold_latent_down --values 0 1 --tokens 1 4
-        step hold_final_ab 150 python3 benchmarks/defaults_ab.py --field hold_final --values 0 1 --tokens 1 4
-        step hold_all_ab 150 python3 benchmarks/defaults_ab.py --field hold_router --values 0 1 --tokens 1 4 \
-            --also hold_latent_down=1 hold_final=1 ;;
+        step hold_final_ab 150 python3 benchmarks/defaults_ab.py --field hold_final --values 0 1 --tokens 1 4 ;;
     m1c_fold_ctas)  # the MLA layer with M1c folded in at S = 16 on 2 CTAs a SM (255 registers) instead of the
         # default 3 (168): at 3 the folded M1C step loop spills, none at 2 (offline sm_90a: 25 LDL and 6 STL a step,
         # 810 instructions against 757; docs/PERF.md, thirty-second session). Checked at 2, then timed at 3 and 2
