@@ -6,7 +6,8 @@ so every number of a comparison comes from the same machine and the same minutes
     python benchmarks/defaults_ab.py --field x_token_groups --values 0 1 --tokens 8 16 [--rounds 2] [--tp 8]
     python benchmarks/defaults_ab.py --field final_split --values 0 1 --tokens 1 8 [--also shared_late=0]
 
-``--also NAME=VALUE`` sets more fields, the same for every value of ``--field``.
+``--also NAME=VALUE`` sets more fields, the same for every value of ``--field``;
+``--field a,b`` sets fields a and b together to each value.
 ``--m1b``: every value's launch has M1b folded in (bench_mla.fold_shape), and each
 round also times the plain launch at the defaults (the fold's cost is the difference).
 
@@ -29,7 +30,8 @@ from k3mono.synthetic import random_shard
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--field", required=True, help="a TileChoice field or one of mono.OPTION_FIELDS")
+    parser.add_argument("--field", required=True,
+                        help="a TileChoice field or one of mono.OPTION_FIELDS (several, comma-separated: set together)")
     parser.add_argument("--values", type=int, nargs="+", required=True)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--rounds", type=int, default=2)
@@ -39,7 +41,8 @@ def main() -> None:
     args = parser.parse_args()
     also = parse_option_fields(args.also)
     # every choice checked before the GPU is touched
-    options = {(tokens, value): default_options_with(tokens, {**also, args.field: value})
+    fields = args.field.split(",")
+    options = {(tokens, value): default_options_with(tokens, {**also, **dict.fromkeys(fields, value)})
                for tokens in args.tokens for value in args.values}
     cfg = preset("kimi-k3")
     sets = [random_shard(cfg, args.tp, seed=s, device="cuda") for s in range(WEIGHT_SETS)]
