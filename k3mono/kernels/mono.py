@@ -30,6 +30,9 @@ Per task:
    has none either, or, where M1C runs first, one for every M1C task (its w_v
    tile is not asked for before it: a few KB, next to the cache M1C streams);
    REDUCE*, SEAM_*, ROUTE* and LATENT_* read activations (and norm vectors) only;
+   With HOLD_* (MonoOptions.hold_*; the FMA path), a task of those kinds
+   also loads its tile's first weight step into registers (gemv.first_step)
+   and hands it to its stage function after the waits;
 3. poll the other waits, in table order, but for the task's own (``late_waits``:
    FINAL with MonoOptions.final_split polls LATENT_READY after its shared
    down-projection, before its latent up-projection; the last part of a
