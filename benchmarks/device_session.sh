@@ -278,15 +278,14 @@ for s in $STEPS; do
         step m1b_combine_pairs_check 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8
         step m1b_combine_pairs_trace 140 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results" ;;
     hold)  # the first weight step held in registers before a task's waits (MonoOptions.hold_*): checked (the router,
-        # latent down and FINAL at loopback T = 8, S = 1; o_proj with M1b folded in, the MLA layer three ways), then
-        # timed: o_proj in the S = 1 fold, the three dense kinds together (S = 1, 4: the FMA path's), the router and
-        # FINAL alone (S = 1)
+        # latent down and FINAL at loopback T = 8, S = 1), timed (the three together, S = 1, 4: the FMA path's);
+        # o_proj with M1b folded in checked (the MLA layer three ways) and timed (S = 1); the router and FINAL alone
         step hold_check_mono 90 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 1 --grids 132 \
             --occupy-sms 0 --hold-router 1 --hold-latent-down 1 --hold-final 1
-        step hold_check_mla 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8 --set hold_oproj=1
-        step hold_oproj_ab 110 python3 benchmarks/defaults_ab.py --m1b --field hold_oproj --values 0 1 --tokens 1
         step hold_dense_ab 150 python3 benchmarks/defaults_ab.py --field hold_router,hold_latent_down,hold_final \
             --values 0 1 --tokens 1 4
+        step hold_check_mla 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8 --set hold_oproj=1
+        step hold_oproj_ab 110 python3 benchmarks/defaults_ab.py --m1b --field hold_oproj --values 0 1 --tokens 1
         step hold_router_ab 80 python3 benchmarks/defaults_ab.py --field hold_router --values 0 1 --tokens 1
         step hold_final_ab 80 python3 benchmarks/defaults_ab.py --field hold_final --values 0 1 --tokens 1 ;;
     m1c_fold_ctas)  # the MLA layer with M1c folded in at S = 16 on 2 CTAs a SM (255 registers) instead of the
