@@ -51,7 +51,6 @@
 # m1c_fold_apart: where the fp8 MLA layer's folded way parts from the separate launches;
 # m1c_fold_bisect: the same at 4096 positions in each tree of $K3MONO_TREES (cf75fd7 against cf9e37c);
 # m1b_sleep: the M1b fold with pausing pollers; m1c_fold_ctas: the M1c fold at 2 CTAs a SM against 3 (S = 16);
-# hold: the dense tasks' first weight step held across their waits, checked and timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -277,17 +276,6 @@ for s in $STEPS; do
         # at 4096 positions (S = 1, 264 splits), traced and timed at 32 K (S = 1 and 4)
         step m1b_combine_pairs_check 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8
         step m1b_combine_pairs_trace 140 python3 benchmarks/mla_trace.py --tokens 1 4 --out "$OUT/results" ;;
-    hold)  # the first weight step held in registers before a task's waits (MonoOptions.hold_*): checked (the router,
-        # latent down and FINAL at loopback T = 8, S = 1), timed (the three together, S = 1, 4: the FMA path's);
-        # o_proj with M1b folded in checked (the MLA layer three ways) and timed (S = 1); the router and FINAL alone
-        step hold_check_mono 90 python3 benchmarks/gpu_check.py --skip-staged --tp 8 --tokens 1 --grids 132 \
-            --occupy-sms 0 --hold-router 1 --hold-latent-down 1 --hold-final 1
-        step hold_dense_ab 150 python3 benchmarks/defaults_ab.py --field hold_router,hold_latent_down,hold_final \
-            --values 0 1 --tokens 1 4
-        step hold_check_mla 90 python3 benchmarks/gpu_check_mla.py --tokens 1 --contexts 4096 --kv fp8 --set hold_oproj=1
-        step hold_oproj_ab 110 python3 benchmarks/defaults_ab.py --m1b --field hold_oproj --values 0 1 --tokens 1
-        step hold_router_ab 80 python3 benchmarks/defaults_ab.py --field hold_router --values 0 1 --tokens 1
-        step hold_final_ab 80 python3 benchmarks/defaults_ab.py --field hold_final --values 0 1 --tokens 1 ;;
     m1c_fold_ctas)  # the MLA layer with M1c folded in at S = 16 on 2 CTAs a SM (255 registers) instead of the
         # default 3 (168): at 3 the folded M1C step loop spills, none at 2 (offline sm_90a: 25 LDL and 6 STL a step,
         # 810 instructions against 757; docs/PERF.md, thirty-second session). Checked at 2, then timed at 3 and 2

@@ -152,7 +152,7 @@ one rank of TP8, fp8 cache: S = 16 25 local loads and 6 stores a step, S = 12 20
 and 31 in two step loops, none at 2). Measured on one H100 at S = 16, 32 K fp8
 cache, 16 splits (benchmarks/mla_layers.py, docs/PERF.md): 590.0 us at 3 against
 566.6 at 2, while the plain and M1b-folded launches keep 3 (464.0 -> 472.7 and
-478.9 -> 492.7 at 2)."""
+478.9 -> 492.7 at 2); S = 12 (22 splits), another H100: 476.0 at 3 against 448.3."""
 
 
 def default_ctas_per_sm(tokens: int, m1c_folded: bool = False) -> int:
@@ -349,7 +349,7 @@ def default_options(tokens: int, **choices) -> MonoOptions:
 
 OPTION_FIELDS = ("prefetch_final", "prefetch_final_early", "prefetch_shared", "route_early", "shared_late",
                  "expert_evict_first", "final_split", "prefetch_gate_up", "prefetch_down", "prefetch_oproj",
-                 "hold_oproj", "hold_router", "hold_latent_down", "hold_final", "poll_sleep_ns",
+                 "poll_sleep_ns",
                  "ctas_per_sm")
 """The MonoOptions fields ``default_options_with`` sets (the others are shapes or tiles)."""
 
@@ -541,10 +541,6 @@ def build(key: MonoBuild) -> Compiled:
         DN_ROWS=g.expert_down.rows, DN_BG=_block_groups(g.expert_down), EXPERT_LOOKAHEAD=g.expert_gate_up.lookahead,
         EXPERT_EVICT_FIRST=bool(key.opt & OPT_EXPERT_EVICT_FIRST), EXPERT_MMA=key.tiles.expert_mma,
         PREFETCH_KINDS=key.options.always_prefetched(),
-        HOLD_OPROJ=key.options.hold_oproj and g.m1b is not None and not g.use_dot,
-        HOLD_ROUTER=key.options.hold_router and not g.x_group_dot,
-        HOLD_LATENT_DOWN=key.options.hold_latent_down and not g.x_group_dot,
-        HOLD_FINAL=key.options.hold_final and not g.use_dot,
         EXPERT_DEQUANT=DEQUANT_F16 if key.tiles.expert_f16 else DEFAULT_DEQUANT,
         CANDS=key.cands, CP=scratch_lay["seam_part"][1][-1], SC=g.seam_cols, SCORE_COLS=g.score_cols,
         RC1=next_pow2(table.reduce1_cols), RC3=next_pow2(table.reduce3_cols),

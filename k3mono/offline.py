@@ -156,8 +156,7 @@ MLA_CONTEXT = 1024  # a build reads no lengths: any context compiles the same ke
 
 def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_registers: int | None = None,
                tiles: TileChoice | None = None, trace: bool = False, poll_sleep_ns: int | None = None,
-               prefetch: int | None = None, ctas_per_sm: int | None = None, kv: str = "bf16",
-               options: dict | None = None):
+               prefetch: int | None = None, ctas_per_sm: int | None = None, kv: str = "bf16"):
     """The mono kernel of rank 0 as the host path launches it: (compiled, grid).
     ``mla``: "" a plain layer, "m1b" M1b folded in, "m1c" M1c and M1b folded in
     (bench_mla's inputs: one request a token, its splits and page size, a ``kv``
@@ -165,8 +164,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     that keeps the planned CTAs resident); ``tiles``, ``poll_sleep_ns`` and
     ``ctas_per_sm`` MonoOptions' (None: mono.default_options');
     ``trace`` a trace build (k3mono/trace.py); ``prefetch`` the prefetch mode
-    (mono.MonoBuild; None: mono.DEFAULT_PREFETCH); ``options`` other MonoOptions
-    fields by name (the hold_* bits, say)."""
+    (mono.MonoBuild; None: mono.DEFAULT_PREFETCH)."""
     from .bench_mla import FOLD_SPLITS, PAGE_SIZE, m1b_inputs, mla_layer_inputs
     from .kernels import mono as mono_kernels
     from .mono import DEFAULT_PREFETCH, MonoRank, RankBuffers, buffer_bytes, build, default_options, mono_key
@@ -177,7 +175,7 @@ def mono_build(cfg, tp: int, tokens: int, loopback: bool, mla: str = "", max_reg
     m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens, kv_fp8=kv == "fp8") if mla == "m1c" else None
     chosen = {name: value for name, value in (("tiles", tiles), ("poll_sleep_ns", poll_sleep_ns),
                                               ("ctas_per_sm", ctas_per_sm)) if value is not None}
-    options = default_options(tokens, m1b=m1b, m1c=m1c, **chosen, **(options or {}))
+    options = default_options(tokens, m1b=m1b, m1c=m1c, **chosen)
     key = mono_key(cfg, tokens, tp, LAYER, loopback=loopback, sms=H200_SMS, options=options, max_registers=max_registers,
                    trace=trace, prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch)
     buffers = [torch.zeros(buffer_bytes(build(key).peer), dtype=torch.uint8) for _ in range(1 if loopback else tp)]

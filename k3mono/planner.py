@@ -842,14 +842,9 @@ OPT_PREFETCH_FINAL_EARLY = 1 << 8
 OPT_PREFETCH_GATE_UP = 1 << 9
 OPT_PREFETCH_DOWN = 1 << 10
 OPT_PREFETCH_OPROJ = 1 << 11
-OPT_HOLD_OPROJ = 1 << 12
-OPT_HOLD_ROUTER = 1 << 13
-OPT_HOLD_LATENT_DOWN = 1 << 14
-OPT_HOLD_FINAL = 1 << 15
 OPT_ALL = (OPT_PREFETCH_FINAL | OPT_M1B | OPT_M1C | OPT_ROUTE_EARLY | OPT_SHARED_LATE | OPT_EXPERT_EVICT_FIRST
            | OPT_FINAL_SPLIT | OPT_PREFETCH_SHARED | OPT_PREFETCH_FINAL_EARLY | OPT_PREFETCH_GATE_UP
-           | OPT_PREFETCH_DOWN | OPT_PREFETCH_OPROJ | OPT_HOLD_OPROJ | OPT_HOLD_ROUTER | OPT_HOLD_LATENT_DOWN
-           | OPT_HOLD_FINAL)
+           | OPT_PREFETCH_DOWN | OPT_PREFETCH_OPROJ)
 
 
 class TaskKind(enum.IntEnum):
@@ -990,14 +985,6 @@ class MonoOptions:
     383.7, 385.2. The traces: the M1B tasks ran 9.1 us instead of 6.3 (HBM
     shared with the 22 MB asked for), and an o_proj task still took 7.9 us
     after the core (10.0 without): off.
-    hold_oproj, hold_router, hold_latent_down, hold_final (build-key bits,
-    ``bits()``; the FMA path's tiles only, hold_oproj with m1b only): a task of
-    the kind loads the first weight step of its tile into registers before it
-    polls its waits (gemv.first_step), so at least that step has arrived when
-    they are met, where the L2 prefetch only moved the stream's source (the
-    tile reads L2 about as slowly as HBM, a round trip a step: prefetch_oproj
-    above). FINAL holds its shared down-projection's first step. The same
-    table and the same sums.
     """
 
     prefetch_final: bool = False
@@ -1015,10 +1002,6 @@ class MonoOptions:
     prefetch_gate_up: bool = False
     prefetch_down: bool = False
     prefetch_oproj: bool = False
-    hold_oproj: bool = False
-    hold_router: bool = False
-    hold_latent_down: bool = False
-    hold_final: bool = False
 
     def bits(self) -> int:
         return ((OPT_PREFETCH_FINAL if self.prefetch_final else 0) | (OPT_M1B if self.m1b is not None else 0)
@@ -1029,9 +1012,7 @@ class MonoOptions:
                 | (OPT_PREFETCH_FINAL_EARLY if self.prefetch_final_early else 0)
                 | (OPT_PREFETCH_GATE_UP if self.prefetch_gate_up else 0)
                 | (OPT_PREFETCH_DOWN if self.prefetch_down else 0)
-                | (OPT_PREFETCH_OPROJ if self.prefetch_oproj else 0) | (OPT_HOLD_OPROJ if self.hold_oproj else 0)
-                | (OPT_HOLD_ROUTER if self.hold_router else 0)
-                | (OPT_HOLD_LATENT_DOWN if self.hold_latent_down else 0) | (OPT_HOLD_FINAL if self.hold_final else 0))
+                | (OPT_PREFETCH_OPROJ if self.prefetch_oproj else 0))
 
     def always_prefetched(self) -> int:
         """Bit k set: tasks of kind code k ask the copy engine for their rows
@@ -1057,9 +1038,7 @@ class MonoOptions:
                    final_split=bool(bits & OPT_FINAL_SPLIT), prefetch_shared=bool(bits & OPT_PREFETCH_SHARED),
                    prefetch_final_early=bool(bits & OPT_PREFETCH_FINAL_EARLY),
                    prefetch_gate_up=bool(bits & OPT_PREFETCH_GATE_UP), prefetch_down=bool(bits & OPT_PREFETCH_DOWN),
-                   prefetch_oproj=bool(bits & OPT_PREFETCH_OPROJ), hold_oproj=bool(bits & OPT_HOLD_OPROJ),
-                   hold_router=bool(bits & OPT_HOLD_ROUTER), hold_latent_down=bool(bits & OPT_HOLD_LATENT_DOWN),
-                   hold_final=bool(bits & OPT_HOLD_FINAL))
+                   prefetch_oproj=bool(bits & OPT_PREFETCH_OPROJ))
 
 
 @dataclass(frozen=True)

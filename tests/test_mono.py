@@ -316,25 +316,6 @@ def test_final_split_in_loopback_changes_no_bits():
     assert same_bits(plain, split(**inputs))
 
 
-HOLD_ALL = dict(hold_oproj=True, hold_router=True, hold_latent_down=True, hold_final=True)
-
-
-@pytest.mark.parametrize("tp,tokens", [(1, 1), (2, 3)], ids=["T1-S1", "T2-S3"])
-def test_held_first_steps_change_no_bits(tp, tokens):
-    """MonoOptions.hold_*: the router (S = 1: forming x from h), latent down and
-    FINAL tasks load their first weight step before their waits (o_proj has
-    none to wait for without M1b): the same sums, T = 2 in loopback."""
-    cfg, layer = preset("tiny"), 13
-    shards = shard_all(layer_weights(), cfg, tp)
-    inputs = random_inputs(cfg, tokens, layer, seed=29)
-    plain = MonoRunner(cfg, shards, tokens, layer)(**inputs)
-    held = MonoRunner(cfg, shards, tokens, layer, options=default_options(tokens, **HOLD_ALL))
-    consts = held.compiled.consts
-    assert [consts[f"HOLD_{kind}"] for kind in ("OPROJ", "ROUTER", "LATENT_DOWN", "FINAL")] == [False, True, True, True]
-    assert consts["ROUTER_RMS"] == (tokens == 1)
-    assert same_bits(plain, held(**inputs))
-
-
 def test_default_options_with_sets_tile_and_option_fields_from_command_line_pairs():
     """mono.default_options_with / parse_option_fields: the benchmarks' NAME=INTEGER
     pairs set TileChoice fields and OPTION_FIELDS (0 / 1 for a bool), the rest

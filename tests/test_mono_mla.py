@@ -202,22 +202,19 @@ def test_m1b_and_plain_runners_refuse_each_others_inputs():
                                   act["blocks"])
 
 
-@pytest.mark.parametrize("prefetch,prefetch_oproj,hold_oproj", [(2, False, False), (0, True, False), (0, False, True)],
-                         ids=["prefetch2", "prefetch_oproj", "hold_oproj"])
-def test_o_proj_weights_read_before_the_core_wait_change_no_bits(prefetch, prefetch_oproj, hold_oproj):
+@pytest.mark.parametrize("prefetch,prefetch_oproj", [(2, False), (0, True)], ids=["prefetch2", "prefetch_oproj"])
+def test_o_proj_weights_read_before_the_core_wait_change_no_bits(prefetch, prefetch_oproj):
     """PREFETCH = 2 (every kind), or MonoOptions.prefetch_oproj alone: every OPROJ
-    asks for its w_o tile before it polls CORE; hold_oproj: it loads its first
-    step into registers before it polls."""
+    asks for its w_o tile before it polls CORE."""
     cfg = preset("tiny")
     shards = shard_all(layer_weights(), cfg, 1)
     act = random_inputs(cfg, 1, LAYER, seed=5)
     m1b_in = m1b_inputs(cfg, 1, 1, torch.bfloat16, seed=5)
     shape = M1bShape(splits=SPLITS, latent=LATENT)
     plain = MonoRunner(cfg, shards, 1, LAYER, options=MonoOptions(m1b=shape), prefetch=0)
-    eager = MonoRunner(cfg, shards, 1, LAYER, prefetch=prefetch,
-                       options=MonoOptions(m1b=shape, prefetch_oproj=prefetch_oproj, hold_oproj=hold_oproj))
-    assert (eager.key.opt != plain.key.opt) == (prefetch_oproj or hold_oproj)
-    assert eager.compiled.consts["HOLD_OPROJ"] == hold_oproj
+    eager = MonoRunner(cfg, shards, 1, LAYER, options=MonoOptions(m1b=shape, prefetch_oproj=prefetch_oproj),
+                       prefetch=prefetch)
+    assert (eager.key.opt != plain.key.opt) == prefetch_oproj
     a = plain.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
     b = eager.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
     assert all(torch.equal(bits(getattr(a, n)), bits(getattr(b, n))) for n in NAMES)

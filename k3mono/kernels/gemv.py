@@ -31,7 +31,9 @@ the memory bandwidth:
   the mono launch's traces). Triton's pipelined range instead (cp.async
   into shared memory, 2 or 3 stages) made the mono launch slower on an H100:
   69.6 -> 110.3 / 97.6 us at S = 1, 130 -> 215 / 253 at S = 4 (docs/PERF.md,
-  twenty-sixth session).
+  twenty-sixth session). So did the mono launch's tasks loading their first
+  step into registers before polling their waits: S = 1 69.6 -> 70.7, S = 4
+  130.5 -> 132.7 (router, latent down and FINAL; thirty-third session).
 
 Shape-like arguments (S, N, K) are constexprs: the interpreter cannot loop to a
 runtime bound (numpy 2.4 refuses int() of its 1-element scalars), and a build
@@ -67,40 +69,6 @@ def _load_w(
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         return tl.load(w_ptrs + k0, mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
-def _w_ptrs(
-    w_ptr,  # [N, K] bf16, row stride stride_wn, unit column stride
-    stride_wn,
-    row0,
-    N: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """[ROWS, BLOCK_K] pointers to a tile's rows at column 0, the rows past N
-    clamped onto N - 1 (loads stay unpredicated per element)."""
-    rows = tl.minimum(row0 + tl.arange(0, ROWS), N - 1)
-    return w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
-
-
-@triton.jit
-def first_step(
-    w_ptr,  # [N, K] bf16, row stride stride_wn, unit column stride
-    stride_wn,
-    row0,
-    take,  # whether to load it (a task of the kind that holds it)
-    N: tl.constexpr,
-    K: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """[ROWS, BLOCK_K] bf16: the first weight step of gemv_tile's FMA loop for
-    the tile at row0, for a task to load before its waits and pass as ``held``
-    (its stream then starts while the waits settle); zeros, and no memory
-    traffic, where ``take`` is false."""
-    return _load_w(_w_ptrs(w_ptr, stride_wn, row0, N, ROWS, BLOCK_K), tl.where(take, 0, K), K, BLOCK_K, EVEN_K)
 
 
 @triton.jit
@@ -215,20 +183,16 @@ def gemv_tile(
     norm_ptr=None,  # [K] bf16: X_RMS's norm vector
     x_scale=1.0,  # fp32: X_RMS's scale
     X_RMS: tl.constexpr = False,
-    held=None,  # [ROWS, BLOCK_K] bf16: the first step, loaded already (first_step; HELD)
-    HELD: tl.constexpr = False,
 ):
     """acc [SP, ROWS] fp32 = x @ w[row0 : row0 + ROWS].T (see the module docstring).
 
     X_RMS (one token, the FMA path): x_ptr holds h and the tile multiplies
     x = rms_value(h, norm, x_scale), formed as it streams: the bits a norm step
-    would have stored, without that step's poll and round trip.
-    HELD (the FMA path): the loop starts from ``held`` instead of loading its
-    first step: the same tile, so the same sums."""
+    would have stored, without that step's poll and round trip."""
     tl.static_assert(not X_RMS or (S == 1 and not USE_DOT))
-    tl.static_assert(not HELD or not USE_DOT)
+    rows = tl.minimum(row0 + tl.arange(0, ROWS), N - 1)
     kk = tl.arange(0, BLOCK_K)
-    w_ptrs = _w_ptrs(w_ptr, stride_wn, row0, N, ROWS, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + kk[None, :]
     tok = tl.arange(0, SP)
     if USE_DOT:
         acc = tl.zeros([SP, ROWS], dtype=tl.float32)
@@ -258,10 +222,7 @@ def gemv_tile(
         # The next step's load is issued once this step's registers are read,
         # so one step is in flight while this step's FMAs run (the dot path
         # gets more from Triton's pipeliner).
-        if HELD:
-            w_next = held
-        else:
-            w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
+        w_next = _load_w(w_ptrs, 0, K, BLOCK_K, EVEN_K)
         for k0 in range(0, K, BLOCK_K):
             w = as_f32(w_next)
             w_next = _load_w(w_ptrs, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)

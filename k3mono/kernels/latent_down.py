@@ -39,12 +39,10 @@ def latent_down_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    held=None,  # [ROWS, BLOCK_K] bf16: the first weight step, loaded already (gemv.first_step; HELD)
-    HELD: tl.constexpr = False,
 ):
     """[GP, ROWS] bf16: z of tokens window .. window + G - 1, columns task*ROWS .. of this rank's slice."""
     acc = gemv_tile(x_ptr + window * stride_xs, stride_xs, w_ptr, stride_wn, task * ROWS, G, N, K, GP, ROWS, BLOCK_K,
-                    USE_DOT, EVEN_K, UPCAST, held=held, HELD=HELD)
+                    USE_DOT, EVEN_K, UPCAST)
     return to_bf16(acc)
 
 

@@ -30,9 +30,6 @@ Per task:
    has none either, or, where M1C runs first, one for every M1C task (its w_v
    tile is not asked for before it: a few KB, next to the cache M1C streams);
    REDUCE*, SEAM_*, ROUTE* and LATENT_* read activations (and norm vectors) only;
-   With HOLD_* (MonoOptions.hold_*; the FMA path), a task of those kinds
-   also loads its tile's first weight step into registers (gemv.first_step)
-   and hands it to its stage function after the waits;
 3. poll the other waits, in table order, but for the task's own (``late_waits``:
    FINAL with MonoOptions.final_split polls LATENT_READY after its shared
    down-projection, before its latent up-projection; the last part of a
@@ -80,7 +77,7 @@ from .attnres import block_rows, score_partials, seam_mix_task, seam_norm_task, 
 from .common import as_f32, prefetch_l2, to_bf16
 from .experts import GROUP, expert_down_mma_task, expert_down_task, expert_gate_up_mma_task, expert_gate_up_task
 from .final import final_sum
-from .gemv import first_step, gemv_part, gemv_tile, group_window, store_rows, sum_parts
+from .gemv import gemv_part, gemv_tile, group_window, store_rows, sum_parts
 from .latent_down import latent_down_task
 from .latent_norm import latent_part_task, latent_scale
 from .mla_attn import mla_attn_task
@@ -215,11 +212,8 @@ def oproj_push_task(
     UPCAST: tl.constexpr,
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
-    held,  # bf16 [O_ROWS, O_BK]: the first weight step, loaded already (HOLD_OPROJ), or None
-    HELD: tl.constexpr,
 ):
-    acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST,
-                     held, HELD)
+    acc = oproj_task(tile, core_ptr, stride_cs, w_o_ptr, C_R, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST)
     _push_rows(peer_table_ptr, slot, H, acc, tile * O_ROWS, 0, S, H, SP, O_ROWS, NP, tl.float32)
     _raise_on_peers(peer_table_ptr, word, NP, SCOPE)
 
@@ -252,16 +246,13 @@ def router_push_task(
     ROUTER_RMS: tl.constexpr,  # planner.StageGeometry.router_rms: x formed from h here
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
-    held,  # bf16 [R_ROWS, R_BK]: the first weight step, loaded already (HOLD_ROUTER), or None
-    HELD: tl.constexpr,
 ):
     window, skip = group_window(first, S, XG)
     if ROUTER_RMS:
         acc = router_task(tile, 0, h_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST,
-                          in_nw_ptr, seam_scale(0, hsq_ptr, eps, H, SC), True, held, HELD)
+                          in_nw_ptr, seam_scale(0, hsq_ptr, eps, H, SC), True)
     else:
-        acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST,
-                          held=held, HELD=HELD)
+        acc = router_task(tile, window, x_ptr, H, w_gate_ptr, H, XG, E_R, H, XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST)
     _push_logits(acc, tile, window, skip, peer_table_ptr, slot, word, E, XG, E_R, XGP, R_ROWS, NP, SCOPE)
 
 
@@ -334,12 +325,9 @@ def latent_down_push_task(
     PRESCALE: tl.constexpr,  # push z * 2^63 (exact), as the tensor-core expert tasks take it
     NP: tl.constexpr,
     SCOPE: tl.constexpr,
-    held,  # bf16 [LD_ROWS, LD_BK]: the first weight step, loaded already (HOLD_LATENT_DOWN), or None
-    HELD: tl.constexpr,
 ):
     window, skip = group_window(first, S, XG)
-    zt = latent_down_task(tile, window, x_ptr, H, w_ld_ptr, H, XG, L_R, H, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST,
-                          held, HELD)
+    zt = latent_down_task(tile, window, x_ptr, H, w_ld_ptr, H, XG, L_R, H, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN, UPCAST)
     _push_z(zt, tile, window, skip, peer_table_ptr, slot, word, L, XG, L_R, XGP, LD_ROWS, PRESCALE, NP, SCOPE)
 
 
@@ -730,10 +718,6 @@ def _mono_kernel(
     CTL_I: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0 never, 1 when a wait would block, 2 always
     PREFETCH_KINDS: tl.constexpr,  # bit k: kind k prefetches its rows whatever PREFETCH (MonoOptions.always_prefetched)
-    HOLD_OPROJ: tl.constexpr,  # these kinds load their first weight step before their waits (MonoOptions.hold_*)
-    HOLD_ROUTER: tl.constexpr,
-    HOLD_LATENT_DOWN: tl.constexpr,
-    HOLD_FINAL: tl.constexpr,
     SCOPE: tl.constexpr,
     M1B: tl.constexpr,  # the table has M1B tasks (planner.MonoOptions.m1b)
     SPLITS: tl.constexpr,
@@ -831,17 +815,6 @@ def _mono_kernel(
                         _prefetch_rows(_bytes(w2_ptr) + ex * (L * I_R // 2), start, stop, L, I_R // 2)
                         _prefetch_rows(w2s_ptr + ex * (L * I_R // GROUP), start, stop, L, I_R // GROUP)
 
-        # (2b) a held first step: in registers, so the task's stream is under way once its waits are met
-        take = ok != 0
-        held_o = first_step(w_o_ptr, C_R, tile * O_ROWS, take & (kind == K_OPROJ), H, C_R, O_ROWS, O_BK,
-                            O_EVEN) if HOLD_OPROJ else None
-        held_r = first_step(w_gate_ptr, H, tile * R_ROWS, take & (kind == K_ROUTER), E_R, H, R_ROWS, R_BK,
-                            R_EVEN) if HOLD_ROUTER else None
-        held_ld = first_step(w_ld_ptr, H, tile * LD_ROWS, take & (kind == K_LATENT_DOWN), L_R, H, LD_ROWS, LD_BK,
-                             LD_EVEN) if HOLD_LATENT_DOWN else None
-        held_f = first_step(w_sd_ptr, SI_R, tile * F_ROWS, take & (kind == K_FINAL), H, SI_R, F_ROWS, F_BK,
-                            F_EVEN_S) if HOLD_FINAL else None
-
         # (3) the other waits, in table order, but for the task's own (C_LATE: FINAL polls them itself)
         ok = _poll_waits(naddr, early, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket, SCOPE,
                          SLEEP_NS)
@@ -870,8 +843,7 @@ def _mono_kernel(
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
-                                FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE,
-                                held_o, HOLD_OPROJ)
+                                FLAG_I + rword, S, H, C_R, SP, O_ROWS, O_BK, USE_DOT, O_EVEN, UPCAST, NP, SCOPE)
             elif kind == K_REDUCE1:
                 reduce1_task(tile, token, start, stop, own_f32 + pf + AR1_F, prefix_ptr, stride_ps, blocks_ptr,
                              stride_bs, stride_bn, nb, ares_nw_ptr, ares_qk_ptr, sc_f32 + SPART_F, S, H, T, RC1, CANDS,
@@ -898,8 +870,7 @@ def _mono_kernel(
                 else:
                     router_push_task(tile, token, x_ptr, sc_bf16 + SH_B, sc_f32 + SHSQ_F, in_nw_ptr, eps, w_gate_ptr,
                                      peer_table_ptr, pf + LOG_F + rank * E_R, FLAG_I + rword, S, H, E, E_R, SC, XG,
-                                     XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, ROUTER_RMS, NP, SCOPE, held_r,
-                                     HOLD_ROUTER)
+                                     XGP, R_ROWS, R_BK, XG_DOT, R_EVEN, UPCAST, ROUTER_RMS, NP, SCOPE)
             elif kind == K_LATENT_DOWN:
                 if X_PARTS > 1:
                     acc = gemv_part(x_ptr, H, w_ld_ptr, H, tile * LD_ROWS, slot, S, L_R, H // X_PARTS, SP, LD_ROWS,
@@ -913,7 +884,7 @@ def _mono_kernel(
                 else:
                     latent_down_push_task(tile, token, x_ptr, w_ld_ptr, peer_table_ptr, pb + Z_B + rank * L_R,
                                           FLAG_I + rword, S, H, L, L_R, XG, XGP, LD_ROWS, LD_BK, XG_DOT, LD_EVEN,
-                                          UPCAST, EXPERT_MMA, NP, SCOPE, held_ld, HOLD_LATENT_DOWN)
+                                          UPCAST, EXPERT_MMA, NP, SCOPE)
             elif kind == K_SHARED_GU:
                 shared_gate_up_task(tile, x_ptr, H, w_sg_ptr, H, w_su_ptr, H, sact_ptr, SI_R, S, SI_R, H, BETA,
                                     LINEAR_BETA, SP, SG_ROWS, SG_BK, USE_DOT, SG_EVEN, UPCAST)
@@ -953,7 +924,7 @@ def _mono_kernel(
             elif kind == K_FINAL:
                 # the shared down-projection first: with final_split the latent's wait is still open
                 shared = gemv_tile(sact_ptr, SI_R, w_sd_ptr, SI_R, tile * F_ROWS, S, H, SI_R, SP, F_ROWS, F_BK,
-                                   USE_DOT, F_EVEN_S, UPCAST, held=held_f, HELD=HOLD_FINAL)
+                                   USE_DOT, F_EVEN_S, UPCAST)
                 ok = _poll_waits(early, nwaits, row, ok, flags, epoch, spin_limit, health_ptr, rank, layer, ticket,
                                  SCOPE, SLEEP_NS)
                 if ok != 0:

@@ -35,12 +35,10 @@ def oproj_task(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    held=None,  # [ROWS, BLOCK_K] bf16: the first weight step, loaded already (gemv.first_step; HELD)
-    HELD: tl.constexpr = False,
 ):
     """[SP, ROWS] fp32: the partial's rows task*ROWS .. (store with store_rows)."""
     return gemv_tile(core_ptr, stride_cs, w_ptr, stride_wn, task * ROWS, S, H, K, SP, ROWS, BLOCK_K, USE_DOT, EVEN_K,
-                     UPCAST, held=held, HELD=HELD)
+                     UPCAST)
 
 
 @triton.jit

@@ -44,12 +44,10 @@ def router_task(
     norm_ptr=None,  # [H] bf16: post_attention_layernorm (X_RMS)
     x_scale=1.0,  # fp32: the norm's scale (X_RMS)
     X_RMS: tl.constexpr = False,  # x_ptr holds the seam's h: x formed as the rows stream (one token)
-    held=None,  # [ROWS, BLOCK_K] bf16: the first weight step, loaded already (gemv.first_step; HELD)
-    HELD: tl.constexpr = False,
 ):
     """[GP, ROWS] fp32: logits of tokens window .. window + G - 1 for experts task*ROWS .. of this rank's slice."""
     return gemv_tile(x_ptr + window * stride_xs, stride_xs, w_ptr, stride_wn, task * ROWS, G, N, K, GP, ROWS, BLOCK_K,
-                     USE_DOT, EVEN_K, UPCAST, norm_ptr, x_scale, X_RMS, held, HELD)
+                     USE_DOT, EVEN_K, UPCAST, norm_ptr, x_scale, X_RMS)
 
 
 @triton.jit
