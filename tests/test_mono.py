@@ -21,8 +21,7 @@ import triton
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, FOLDED_M1C_CTAS_PER_SM, SINGLE_TOKEN_DOWN_ROWS,
-                         SINGLE_TOKEN_LATENT_ROWS,
-                         WIDE_DOWN_MIN_TOKENS, WIDE_DOWN_ROWS, WIDE_DOWN_STEP_KB,
+                         SINGLE_TOKEN_LATENT_ROWS, WIDE_DOWN_MIN_TOKENS, WIDE_DOWN_ROWS, WIDE_DOWN_STEP_KB,
                          SINGLE_TOKEN_ROUTER_ROWS, SINGLE_TOKEN_SHARED_STEP_KB, WIDE_OPROJ_MAX_TOKENS,
                          WIDE_OPROJ_STEP_KB,
                          MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_options, default_options_with,
@@ -31,8 +30,7 @@ from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, FOLDED_M1C_CTAS_
 from k3mono.mxfp4 import mma_order
 from k3mono.kernels import mono as mono_kernels
 from k3mono.planner import (COL, MAX_WAITS, MONO_WARPS, SM_REGISTERS, M1bShape, M1cShape, MonoOptions, TaskKind,
-                            TileChoice,
-                            expert_mma_tile, next_pow2)
+                            TileChoice, expert_mma_tile, next_pow2)
 from k3mono.reference import layer_post_tp
 from k3mono.runner import error_and_budget
 from k3mono.staged import StagedLayer
