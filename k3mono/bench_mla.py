@@ -305,7 +305,8 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     separate M1c runs at its own tile (mla.attn_tile), or with ``folded_tile`` at the
     M1C tasks' of the third way, which then gives the first two ways' bits. ``trace``:
     the two folded ways' launches are trace builds (k3mono/trace.py); ``fields``: the
-    three launches' options other than the defaults (mono.default_options_with)."""
+    three launches' options other than each way's defaults (mono.default_options_with:
+    the M1c fold's CTAs a SM are its own)."""
     import dataclasses
 
     from .mla import attn_tile
@@ -313,7 +314,9 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     from .planner import M1bShape, M1cShape
     from .synthetic import random_inputs
 
-    options = default_options_with(tokens, fields or {})
+    def way_options(**shapes):
+        return default_options_with(tokens, fields or {}, **shapes)
+
     device = shard.o_proj.device
     ranks = [dataclasses.replace(shard, rank=r) for r in range(tp)]
     act = {k: v.to(device) for k, v in random_inputs(cfg, tokens, layer, seed=7).items()}
@@ -325,13 +328,12 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     attend()  # the split outputs the m1b runner's M1b reads
     staged_back, core = back_call(attn, o, lse)
     staged_back()
-    plain = MonoRunner(cfg, ranks, tokens, layer, options=options)
+    plain = MonoRunner(cfg, ranks, tokens, layer, options=way_options())
     plain.load_inputs(core.repeat(1, tp), act["prefix"], act["blocks"])  # every rank's heads see rank 0's inputs
     back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
-    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=dataclasses.replace(options, m1b=m1b), trace=trace)
+    folded_b = MonoRunner(cfg, ranks, tokens, layer, options=way_options(m1b=m1b), trace=trace)
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
-    options_c = default_options_with(tokens, fields or {}, m1b=m1b, m1c=m1c)  # the M1c fold's own CTAs a SM
-    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=options_c, trace=trace)
+    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=way_options(m1b=m1b, m1c=m1c), trace=trace)
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {
         "separate": lambda: (attend(), back(), plain.launch(0)),
