@@ -76,7 +76,9 @@ gate/up tasks may take their own (TileChoice.shared_step_kb): at TP8, S = 1 a
 shared task is a latency-bound chain of 28 steps of 8 KB, where o_proj's are few
 (mono.SINGLE_TOKEN_SHARED_STEP_KB); so may the o_proj tasks
 (TileChoice.oproj_step_kb): every other task waits for them, and a 32-row task at
-S = 1 is 12 steps of 8 KB, one in flight (kernels/gemv.py: Triton's pipelined
+S = 1 is 12 steps of 8 KB, one in flight; and so may the router tasks
+(TileChoice.router_step_kb): at S = 1 a one-row task's 14 KB (TP8) is two steps,
+two round trips on the chain from the seam to the route (kernels/gemv.py: Triton's pipelined
 range for this loop, cp.async 2 or 3 steps ahead, made the mono launch slower
 on an H100, 69.6 -> 110.3 / 97.6 us at S = 1; docs/PERF.md, twenty-sixth
 session)."""
@@ -333,65 +335,6 @@ bf16, 64 registers a thread at 4 warps). The mono launch may take other counts
 so fewer rows make more, shorter tasks that repeat the combine."""
 
 
-@dataclass(frozen=True)
-class TileChoice:
-    """Task shapes the mono launch may take other than the staged path's (a
-    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS,
-    LATENT_ROWS, SHARED_ROWS, EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS
-    and X_K_PARTS)."""
-
-    dense_step_kb: int = DENSE_STEP_KB
-    gate_up_rows: int = EXPERT_ROWS
-    down_rows: int = EXPERT_ROWS
-    down_step_kb: int = DOWN_STEP_KB
-    router_rows: int = ROUTER_ROWS
-    latent_rows: int = LATENT_ROWS
-    shared_rows: int = SHARED_ROWS
-    expert_lookahead: bool = EXPERT_LOOKAHEAD
-    oproj_rows: int = HIDDEN_ROWS
-    final_rows: int = HIDDEN_ROWS
-    m1b_rows: int = BACK_BLOCK_DV
-    shared_step_kb: int = DENSE_STEP_KB
-    oproj_step_kb: int = DENSE_STEP_KB
-    expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
-    expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
-    x_token_groups: bool = X_TOKEN_GROUPS  # above FMA_MAX_TOKENS: router and latent down by groups of tokens
-    x_group_tokens: int = X_GROUP_TOKENS  # tokens such a group takes (X_GROUP_TOKENS_CHOICES)
-    x_k_parts: int = X_K_PARTS  # the tl.dot router and latent down: parts of K a row tile (X_K_PARTS_CHOICES)
-
-    def check(self) -> None:
-        for name in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
-            step_kb = getattr(self, name)
-            if step_kb not in DENSE_STEP_KB_CHOICES:
-                raise K3InputError(f"tiles.{name}: expected one of {DENSE_STEP_KB_CHOICES}, got {step_kb!r}")
-        for name in ("oproj_rows", "final_rows"):
-            if getattr(self, name) not in HIDDEN_ROWS_CHOICES:
-                raise K3InputError(f"tiles.{name}: expected one of {HIDDEN_ROWS_CHOICES}, got {getattr(self, name)!r}")
-        for name in ("gate_up_rows", "down_rows"):
-            if getattr(self, name) not in EXPERT_ROWS_CHOICES:
-                raise K3InputError(f"tiles.{name}: expected one of {EXPERT_ROWS_CHOICES}, got {getattr(self, name)!r}")
-        if self.down_step_kb not in DOWN_STEP_KB_CHOICES:
-            raise K3InputError(f"tiles.down_step_kb: expected one of {DOWN_STEP_KB_CHOICES}, got {self.down_step_kb!r}")
-        if self.router_rows not in ROUTER_ROWS_CHOICES:
-            raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
-        if self.latent_rows not in LATENT_ROWS_CHOICES:
-            raise K3InputError(f"tiles.latent_rows: expected one of {LATENT_ROWS_CHOICES}, got {self.latent_rows!r}")
-        if self.x_group_tokens not in X_GROUP_TOKENS_CHOICES:
-            raise K3InputError(f"tiles.x_group_tokens: expected one of {X_GROUP_TOKENS_CHOICES}, "
-                               f"got {self.x_group_tokens!r}")
-        if self.x_k_parts not in X_K_PARTS_CHOICES:
-            raise K3InputError(f"tiles.x_k_parts: expected one of {X_K_PARTS_CHOICES}, got {self.x_k_parts!r}")
-        if self.shared_rows not in SHARED_ROWS_CHOICES:
-            raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
-        for name in ("expert_lookahead", "expert_mma", "expert_f16", "x_token_groups"):
-            if not isinstance(getattr(self, name), bool):
-                raise K3InputError(f"tiles.{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.expert_mma and self.expert_f16:
-            raise K3InputError("tiles: expert_mma and expert_f16 are two orders of the expert weights; pick one")
-        if self.m1b_rows not in BACK_BLOCK_DV_CHOICES:
-            raise K3InputError(f"tiles.m1b_rows: expected one of {BACK_BLOCK_DV_CHOICES}, got {self.m1b_rows!r}")
-
-
 BACK_PAIRS = 8
 """Splits' rows of o (one token's) an M1b combine step reads at once: [8, 512]
 fp32 is 16 KB (32 registers a thread at 4 warps); at S = 1 the 16 splits the
@@ -449,7 +392,15 @@ but with the page ids a step ahead the MLA layer with M1c folded in was slower
 at 3 than at 2 (one H100, fp8, 32 K, S = 1 / 4 / 16: 158.3 / 223.1 / 675.0 us
 against 154.0 / 225.9 / 595.6; the loop before, ids loaded in their own step, at
 3 stages 153.9 / 231.4 / 599.3 in the same session; docs/PERF.md, thirty-first
-session)."""
+session). At S = 16 that launch then planned 3 CTAs a SM (168 registers), where
+the step loop spilled; at the 2 it plans now (mono.FOLDED_M1C_CTAS_PER_SM, 255
+registers) 3 stages build without a spill in a step loop (offline sm_90a, fp8,
+TP8 loopback: 224 B of stack against 208 at 2, 56,576 B of shared memory), and
+64 positions a step still spill (11 and 6 local loads and stores a step at
+S = 16, 6 and 5 at S = 1). TileChoice.m1c_stages picks 2 or 3: the stages
+change where a step's copies wait, not its sums, so the bits stay."""
+
+ATTN_FOLDED_STAGES_CHOICES = (2, 3)
 
 ATTN_FP8_BLOCK_N = 64
 """Context positions an M1c step covers over an fp8 cache: 36 KB a step, as a bf16
@@ -467,6 +418,70 @@ Timed at 32 K on an H100 (docs/PERF.md, twenty-ninth session): 23.9 / 46.8 /
 126.4 us at S = 1 / 4 / 16 (33 / 66 / 98 % of the copy) against 24.5 / 48.9 /
 146.5 at 2 stages and 27.0 / 56.0 / 153.1 at 4 (one program a SM), and the
 loop before (ids loaded in their own step) at 2 stages 23.7 / 47.3 / 149.3."""
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    """Task shapes the mono launch may take other than the staged path's (a
+    build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS,
+    LATENT_ROWS, SHARED_ROWS, EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS,
+    X_K_PARTS and ATTN_FOLDED_STAGES)."""
+
+    dense_step_kb: int = DENSE_STEP_KB
+    gate_up_rows: int = EXPERT_ROWS
+    down_rows: int = EXPERT_ROWS
+    down_step_kb: int = DOWN_STEP_KB
+    router_rows: int = ROUTER_ROWS
+    latent_rows: int = LATENT_ROWS
+    shared_rows: int = SHARED_ROWS
+    expert_lookahead: bool = EXPERT_LOOKAHEAD
+    oproj_rows: int = HIDDEN_ROWS
+    final_rows: int = HIDDEN_ROWS
+    m1b_rows: int = BACK_BLOCK_DV
+    shared_step_kb: int = DENSE_STEP_KB
+    oproj_step_kb: int = DENSE_STEP_KB
+    router_step_kb: int = DENSE_STEP_KB
+    expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
+    expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
+    x_token_groups: bool = X_TOKEN_GROUPS  # above FMA_MAX_TOKENS: router and latent down by groups of tokens
+    x_group_tokens: int = X_GROUP_TOKENS  # tokens such a group takes (X_GROUP_TOKENS_CHOICES)
+    x_k_parts: int = X_K_PARTS  # the tl.dot router and latent down: parts of K a row tile (X_K_PARTS_CHOICES)
+    m1c_stages: int = ATTN_FOLDED_STAGES  # the folded M1C tasks' context loop stages (ATTN_FOLDED_STAGES_CHOICES)
+
+    def check(self) -> None:
+        for name in ("dense_step_kb", "shared_step_kb", "oproj_step_kb", "router_step_kb"):
+            step_kb = getattr(self, name)
+            if step_kb not in DENSE_STEP_KB_CHOICES:
+                raise K3InputError(f"tiles.{name}: expected one of {DENSE_STEP_KB_CHOICES}, got {step_kb!r}")
+        for name in ("oproj_rows", "final_rows"):
+            if getattr(self, name) not in HIDDEN_ROWS_CHOICES:
+                raise K3InputError(f"tiles.{name}: expected one of {HIDDEN_ROWS_CHOICES}, got {getattr(self, name)!r}")
+        for name in ("gate_up_rows", "down_rows"):
+            if getattr(self, name) not in EXPERT_ROWS_CHOICES:
+                raise K3InputError(f"tiles.{name}: expected one of {EXPERT_ROWS_CHOICES}, got {getattr(self, name)!r}")
+        if self.down_step_kb not in DOWN_STEP_KB_CHOICES:
+            raise K3InputError(f"tiles.down_step_kb: expected one of {DOWN_STEP_KB_CHOICES}, got {self.down_step_kb!r}")
+        if self.router_rows not in ROUTER_ROWS_CHOICES:
+            raise K3InputError(f"tiles.router_rows: expected one of {ROUTER_ROWS_CHOICES}, got {self.router_rows!r}")
+        if self.latent_rows not in LATENT_ROWS_CHOICES:
+            raise K3InputError(f"tiles.latent_rows: expected one of {LATENT_ROWS_CHOICES}, got {self.latent_rows!r}")
+        if self.x_group_tokens not in X_GROUP_TOKENS_CHOICES:
+            raise K3InputError(f"tiles.x_group_tokens: expected one of {X_GROUP_TOKENS_CHOICES}, "
+                               f"got {self.x_group_tokens!r}")
+        if self.x_k_parts not in X_K_PARTS_CHOICES:
+            raise K3InputError(f"tiles.x_k_parts: expected one of {X_K_PARTS_CHOICES}, got {self.x_k_parts!r}")
+        if self.shared_rows not in SHARED_ROWS_CHOICES:
+            raise K3InputError(f"tiles.shared_rows: expected one of {SHARED_ROWS_CHOICES}, got {self.shared_rows!r}")
+        for name in ("expert_lookahead", "expert_mma", "expert_f16", "x_token_groups"):
+            if not isinstance(getattr(self, name), bool):
+                raise K3InputError(f"tiles.{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.expert_mma and self.expert_f16:
+            raise K3InputError("tiles: expert_mma and expert_f16 are two orders of the expert weights; pick one")
+        if self.m1b_rows not in BACK_BLOCK_DV_CHOICES:
+            raise K3InputError(f"tiles.m1b_rows: expected one of {BACK_BLOCK_DV_CHOICES}, got {self.m1b_rows!r}")
+        if self.m1c_stages not in ATTN_FOLDED_STAGES_CHOICES:
+            raise K3InputError(f"tiles.m1c_stages: expected one of {ATTN_FOLDED_STAGES_CHOICES}, "
+                               f"got {self.m1c_stages!r}")
 
 
 def attn_steps(kv_fp8: bool, folded: bool = False) -> tuple[int, int]:
@@ -635,8 +650,9 @@ class M1cGeometry:
         return self.tokens * self.splits * self.head_blocks
 
 
-def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cShape) -> M1cGeometry:
-    block_n, stages = attn_steps(shape.kv_fp8, folded=True)
+def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cShape,
+                 stages: int = ATTN_FOLDED_STAGES) -> M1cGeometry:
+    block_n, _ = attn_steps(shape.kv_fp8, folded=True)
     return M1cGeometry(
         heads=cfg.num_attention_heads // tp,
         tokens=tokens,
@@ -695,7 +711,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
         oproj=_dense(H, C // tp, use_dot, tiles.oproj_step_kb, tiles.oproj_rows),
-        router=_dense(E // tp, H // x_parts, x_dot, step_kb, tiles.router_rows),  # a part's K
+        router=_dense(E // tp, H // x_parts, x_dot, tiles.router_step_kb, tiles.router_rows),  # a part's K
         latent_down=_dense(L // tp, H // x_parts, x_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, tiles.shared_step_kb, tiles.shared_rows),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
@@ -715,7 +731,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         router_rms=tokens <= ROUTER_RMS_MAX_TOKENS,
         x_parts=x_parts,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
-        m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c),
+        m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c, tiles.m1c_stages),
     )
 
 

@@ -425,15 +425,17 @@ def test_bench_m1b_runners_run_rank_0_with_m1b_folded_in():
 def test_bench_fused_mla_calls_run_the_three_ways_to_the_same_outputs():
     """What bench --mla times for an MLA layer: M1c, M1b and the plain launch
     separately; M1c then the launch with M1b folded in; the launch with both
-    folded in. Run once each under the interpreter: the same bits out."""
+    folded in. Run once each under the interpreter: the same bits out, the
+    fields given set on every way (the M1C tasks' stages on the third's)."""
     from k3mono.bench_mla import mla_fused_calls
     from k3mono.config import preset
     from k3mono.synthetic import random_shard
 
     cfg = preset("tiny")
     calls = mla_fused_calls(cfg, 1, 2, 70, "fp8", random_shard(cfg, 1, seed=0, device="cpu"), layer=13,
-                            folded_tile=True, fields={"ctas_per_sm": 3})
+                            folded_tile=True, fields={"ctas_per_sm": 3, "m1c_stages": 3})
     assert [runner.key.options.ctas_per_sm for runner in calls["runners"]] == [3, 3, 3]  # given: every way's
+    assert calls["runners"][2].compiled.table.geometry.m1c.stages == 3
     outs = []
     for name, runner in zip(("separate", "m1b", "m1c"), calls["runners"]):
         runner.poison()
