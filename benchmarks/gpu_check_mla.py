@@ -6,7 +6,7 @@ DV 128), bf16 and fp8 caches, contexts of 1 K, 32 K and 128 K positions:
   two launches captured in a CUDA graph and replayed 3 times: the same bits;
 * an MLA layer three ways (bench_mla.mla_fused_calls: M1c, M1b and the launch
   separately; M1b folded in; M1c and M1b folded in; rank 0 of TP8 in
-  loopback; the separate M1c at the folded M1C tasks' tile, planner.attn_steps),
+  loopback; the separate M1c at the folded M1C tasks' tile, mla.folded_attn_tile),
   outputs poisoned first: the same bits, no NaN, no timeout; with ``--rounds``
   the three ways loaded and run again, each round the first round's bits.
 

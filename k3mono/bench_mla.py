@@ -303,15 +303,15 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     as calls on loaded runners: {"separate", "m1b", "m1c"} -> call. Rank 0's inputs
     are every rank's (the loopback pre-writes come from the same staged chain). The
     separate M1c runs at its own tile (mla.attn_tile), or with ``folded_tile`` at the
-    M1C tasks' of the third way, which then gives the first two ways' bits. ``trace``:
+    M1C tasks' of the third way (mla.folded_attn_tile), which then gives the first two ways' bits. ``trace``:
     the two folded ways' launches are trace builds (k3mono/trace.py); ``fields``: the
     three launches' options other than each way's defaults (mono.default_options_with:
     the M1c fold's CTAs a SM are its own)."""
     import dataclasses
 
-    from .mla import attn_tile
+    from .mla import attn_tile, folded_attn_tile
     from .mono import MonoRunner, default_options_with
-    from .planner import M1bShape, M1cShape
+    from .planner import M1bShape, M1cShape, stage_geometry
     from .synthetic import random_inputs
 
     def way_options(**shapes):
@@ -324,7 +324,9 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     m1b = M1bShape(splits=splits, latent=LATENT_DIM)
     m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens, kv_fp8=kv_dtype == "fp8")
     attn = MlaInputs(gate=back_in["gate"], w_v=back_in["w_v"], **m1c_in)
-    attend, o, lse = attn_call(attn, splits, attn_tile(attn.kv, folded_tile))
+    fold_options = way_options(m1b=m1b, m1c=m1c)
+    fold_tile = folded_attn_tile(stage_geometry(cfg, tp, tokens, m1b, m1c, fold_options.tiles).m1c)
+    attend, o, lse = attn_call(attn, splits, fold_tile if folded_tile else attn_tile(attn.kv))
     attend()  # the split outputs the m1b runner's M1b reads
     staged_back, core = back_call(attn, o, lse)
     staged_back()
@@ -333,7 +335,7 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
     folded_b = MonoRunner(cfg, ranks, tokens, layer, options=way_options(m1b=m1b), trace=trace)
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
-    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=way_options(m1b=m1b, m1c=m1c), trace=trace)
+    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=fold_options, trace=trace)
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {
         "separate": lambda: (attend(), back(), plain.launch(0)),

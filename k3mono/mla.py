@@ -24,7 +24,7 @@ Geometry, and why:
   long context's cache read (576 bytes a position in fp8, 1152 in bf16).
 * ``ATTN_BLOCK_H``, ``attn_steps`` and ``ATTN_WARPS``: M1c's tile (16 heads; 64 positions a step
   at 3 pipeline stages over an fp8 cache, 32 at 3 over a bf16 one; in the mono launch's M1C
-  tasks 32 at 2 over either; 4 warps); ``BACK_BLOCK_DV``,
+  tasks TileChoice.m1c_block_n and m1c_stages, folded_attn_tile; 4 warps); ``BACK_BLOCK_DV``,
   ``BACK_SHORT_SPLITS``, ``BACK_CHUNK``, ``BACK_PAIRS`` and ``BACK_STAGES``: M1b's (``attn_tile``,
   ``BACK_TILE``); shared with the mono launch's M1C and M1B tasks, so the planner holds them (and why).
 
@@ -47,11 +47,16 @@ from .reference.mla import LATENT_DIM
 DEFAULT_SPLITS = 16
 
 
-def attn_tile(kv, folded: bool = False) -> dict:
-    """launch_mla_attn's tile arguments for the cache kv, the planner's (planner.attn_steps); ``folded``:
-    the mono launch's M1C tasks' (M1cGeometry holds the same), so a launch alone gives their bits."""
-    block_n, stages = attn_steps(isinstance(kv, torch.Tensor) and kv.dtype == FP8, folded)
+def attn_tile(kv) -> dict:
+    """launch_mla_attn's tile arguments for the cache kv, the planner's (planner.attn_steps)."""
+    block_n, stages = attn_steps(isinstance(kv, torch.Tensor) and kv.dtype == FP8)
     return dict(block_h=ATTN_BLOCK_H, block_n=block_n, stages=stages, warps=ATTN_WARPS)
+
+
+def folded_attn_tile(geometry) -> dict:
+    """launch_mla_attn's tile arguments of the mono launch's M1C tasks (a planner.M1cGeometry),
+    so a launch alone gives their bits."""
+    return dict(block_h=geometry.block_h, block_n=geometry.block_n, stages=geometry.stages, warps=ATTN_WARPS)
 
 
 BACK_TILE = dict(short_splits=BACK_SHORT_SPLITS, chunk=BACK_CHUNK, pairs=BACK_PAIRS, stages=BACK_STAGES,
@@ -79,12 +84,13 @@ def split_outputs(q, splits: int, latent_dim: int):
 
 
 def mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, *, kv_scale=1.0, splits=DEFAULT_SPLITS,
-             latent_dim=LATENT_DIM, folded_tile=False):
-    """M1c alone: (o [splits, S, heads, DL] fp32, lse [splits, S, heads] fp32); ``folded_tile``:
-    at the mono launch's M1C tile (attn_tile), the bits an M1c folded into it writes."""
+             latent_dim=LATENT_DIM, tile=None):
+    """M1c alone: (o [splits, S, heads, DL] fp32, lse [splits, S, heads] fp32) at ``tile``
+    (launch_mla_attn's tile arguments; None: attn_tile(kv); folded_attn_tile's: the bits
+    an M1c folded into the mono launch writes)."""
     o, lse = split_outputs(q, splits, latent_dim)
     launch_mla_attn(q, kv, qsl, seq_lens, pages, indptr, scale, o, lse, kv_scale=kv_scale,
-                    **attn_tile(kv, folded_tile))
+                    **(attn_tile(kv) if tile is None else tile))
     return o, lse
 
 
@@ -138,10 +144,10 @@ def rank_cores(m1b_in_per_rank) -> torch.Tensor:
     return torch.cat(cores, dim=1)
 
 
-def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int) -> list[dict]:
+def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int, tile: dict) -> list[dict]:
     """Each rank's M1b inputs (M1B_INPUTS) from its M1c inputs (a dict of M1C_INPUTS)
     and its M1b weights (a dict of M1B_WEIGHTS): its M1c, one launch a rank, at the
-    mono launch's M1C tile (mla_attn's folded_tile): the split outputs a launch with
+    mono launch's M1C tile (``tile``: folded_attn_tile's): the split outputs a launch with
     M1c folded in writes, bit for bit. (At M1c's own tile, 64 positions a step over
     fp8, a longer split sums its softmax in other steps: the loopback pre-writes
     of MonoRunner.load_mla_inputs differed from the launches they stand for.)"""
@@ -152,7 +158,7 @@ def with_split_outputs(m1c_in_per_rank, m1b_weights_per_rank, splits: int) -> li
         _, _, latent = check_w_v(weights["w_v"])
         o, lse = mla_attn(attn_in["q"], attn_in["kv"], attn_in["qsl"], attn_in["seq_lens"], attn_in["pages"],
                           attn_in["indptr"], attn_in["scale"], kv_scale=attn_in["kv_scale"], splits=splits,
-                          latent_dim=latent, folded_tile=True)
+                          latent_dim=latent, tile=tile)
         out.append({**weights, "o": o, "lse": lse})
     return out
 

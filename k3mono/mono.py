@@ -155,6 +155,21 @@ cache, 16 splits (benchmarks/mla_layers.py, docs/PERF.md): 590.0 us at 3 against
 478.9 -> 492.7 at 2); S = 12 (22 splits), another H100: 476.0 at 3 against 448.3."""
 
 
+FOLDED_M1C_DEEP_STAGES = 3
+FOLDED_M1C_DEEP_MIN_TOKENS = 4
+"""From S = FOLDED_M1C_DEEP_MIN_TOKENS on, the folded M1C tasks' context loop
+keeps FOLDED_M1C_DEEP_STAGES steps in flight (TileChoice.m1c_stages; below,
+planner.ATTN_FOLDED_STAGES' 2): at FOLDED_M1C_CTAS_PER_SM (255 registers) 3
+stages build without a step-loop spill (offline sm_90a, fp8, TP8 loopback,
+S = 8 and 16). Measured, the MLA layer with M1c and M1b folded in, fp8 cache
+at 32 K (benchmarks/mla_layers.py, docs/PERF.md), 2 -> 3 stages: S = 16 556.5
+-> 547.7 us, S = 8 334.2 -> 325.0 (one H100, thirty-fourth session); S = 4
+225.9 -> 223.1, but S = 1 154.0 -> 158.3 (one H100, thirty-first session: a
+split of 124 positions is four steps, and the deeper prologue costs more than
+it hides). The stages change no sums: the same bits (benchmarks/gpu_check_mla.py
+--set m1c_stages=3 at S = 8 and 16)."""
+
+
 def default_ctas_per_sm(tokens: int, m1c_folded: bool = False) -> int:
     """CTAs a SM the mono launch of S = ``tokens`` plans: DEFAULT_CTAS_PER_SM, from
     MANY_CTAS_MIN_TOKENS on MANY_TOKENS_CTAS_PER_SM; FOLDED_M1C_CTAS_PER_SM where
@@ -278,12 +293,13 @@ against 64 / 16: S = 8 194.3, 193.5 / 191.2, 191.6, S = 16 325.1, 324.8 / 310.8,
 311.3."""
 
 
-def default_tiles(tokens: int, **given) -> TileChoice:
+def default_tiles(tokens: int, m1c_folded: bool = False, **given) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows,
     SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step and SINGLE_TOKEN_ROUTER_ROWS /
     SINGLE_TOKEN_LATENT_ROWS router / latent rows, up to S = WIDE_OPROJ_MAX_TOKENS
     WIDE_OPROJ_STEP_KB an o_proj step, from S = WIDE_DOWN_MIN_TOKENS the wide
-    down tasks; any field in ``given`` overrides its default. The
+    down tasks, where M1c is folded in (``m1c_folded``) from S =
+    FOLDED_M1C_DEEP_MIN_TOKENS FOLDED_M1C_DEEP_STAGES; any field in ``given`` overrides its default. The
     tensor-core experts read mma order, so asking for them drops the default
     f16 sums (the other order) unless expert_f16 is given too."""
     tiles = DEFAULT_TILES
@@ -294,6 +310,8 @@ def default_tiles(tokens: int, **given) -> TileChoice:
         tiles = dataclasses.replace(tiles, oproj_step_kb=WIDE_OPROJ_STEP_KB)
     if tokens >= WIDE_DOWN_MIN_TOKENS:
         tiles = dataclasses.replace(tiles, down_rows=WIDE_DOWN_ROWS, down_step_kb=WIDE_DOWN_STEP_KB)
+    if m1c_folded and tokens >= FOLDED_M1C_DEEP_MIN_TOKENS:
+        tiles = dataclasses.replace(tiles, m1c_stages=FOLDED_M1C_DEEP_STAGES)
     if given.get("expert_mma"):
         given = {"expert_f16": False, **given}
     return dataclasses.replace(tiles, **given)
@@ -341,7 +359,7 @@ def default_options(tokens: int, **choices) -> MonoOptions:
     at S = 1, expert_evict_first up to EVICT_FIRST_MAX_TOKENS), any field overridden by ``choices``
     (an M1cShape ``m1c`` among them sets the M1c fold's CTAs a SM)."""
     m1c_folded = choices.get("m1c") is not None
-    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens, m1c_folded), tiles=default_tiles(tokens),
+    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens, m1c_folded), tiles=default_tiles(tokens, m1c_folded),
                   poll_sleep_ns=DEFAULT_POLL_SLEEP_NS, prefetch_final=DEFAULT_PREFETCH_FINAL,
                   shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1, expert_evict_first=tokens <= EVICT_FIRST_MAX_TOKENS)
     return MonoOptions(**{**fields, **choices})
@@ -368,7 +386,8 @@ def default_options_with(tokens: int, fields: dict[str, int], **shapes) -> MonoO
             options[name] = option_types[name](value)
         else:
             raise K3InputError(f"options: {name!r} is neither a TileChoice field nor one of {OPTION_FIELDS}")
-    return default_options(tokens, tiles=default_tiles(tokens, **tiles), **options, **shapes)
+    m1c_folded = shapes.get("m1c") is not None
+    return default_options(tokens, tiles=default_tiles(tokens, m1c_folded, **tiles), **options, **shapes)
 
 
 def parse_option_fields(items: list[str]) -> dict[str, int]:
@@ -1271,7 +1290,7 @@ class MonoRunner:
         anything runs. In loopback the other ranks' pushes come from the core
         every rank's staged M1c (M1c build; mla.with_split_outputs: the split
         outputs the other ranks' launches would write) and M1b write."""
-        from .mla import rank_cores, with_split_outputs
+        from .mla import folded_attn_tile, rank_cores, with_split_outputs
         from .reference.mla import check_requests
 
         if self.key.m1b is None:
@@ -1293,7 +1312,8 @@ class MonoRunner:
         for r, rank in enumerate(self.rank_states):
             rank.load_m1b_inputs(m1b_in[r], prefix, blocks, None if m1c_in is None else m1c_in[r])
         if self.loopback and self.tp > 1:
-            back_in = m1b_in if m1c_in is None else with_split_outputs(m1c_in, m1b_in, self.key.m1b.splits)
+            back_in = m1b_in if m1c_in is None else with_split_outputs(
+                m1c_in, m1b_in, self.key.m1b.splits, folded_attn_tile(self.compiled.table.geometry.m1c))
             self._prewrite(rank_cores(back_in), prefix, blocks)
 
     def _check_per_rank(self, name: str, what: str, per_rank) -> None:

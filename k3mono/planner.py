@@ -76,12 +76,13 @@ gate/up tasks may take their own (TileChoice.shared_step_kb): at TP8, S = 1 a
 shared task is a latency-bound chain of 28 steps of 8 KB, where o_proj's are few
 (mono.SINGLE_TOKEN_SHARED_STEP_KB); so may the o_proj tasks
 (TileChoice.oproj_step_kb): every other task waits for them, and a 32-row task at
-S = 1 is 12 steps of 8 KB, one in flight; and so may the router tasks
-(TileChoice.router_step_kb): at S = 1 a one-row task's 14 KB (TP8) is two steps,
-two round trips on the chain from the seam to the route (kernels/gemv.py: Triton's pipelined
+S = 1 is 12 steps of 8 KB, one in flight (kernels/gemv.py: Triton's pipelined
 range for this loop, cp.async 2 or 3 steps ahead, made the mono launch slower
 on an H100, 69.6 -> 110.3 / 97.6 us at S = 1; docs/PERF.md, twenty-sixth
-session)."""
+session). The S = 1 router's one-row tasks (14 KB at TP8, two 8 KB steps on
+the chain from the seam to the route) in one 16 KB step gained nothing (one
+H100, defaults_ab.py, a router_step_kb field since removed: 69.1, 69.4 us at
+8 KB against 69.4, 69.4; docs/PERF.md, thirty-fourth session)."""
 
 
 SHARED_ROWS = FMA_TILE[0]
@@ -420,12 +421,28 @@ Timed at 32 K on an H100 (docs/PERF.md, twenty-ninth session): 23.9 / 46.8 /
 loop before (ids loaded in their own step) at 2 stages 23.7 / 47.3 / 149.3."""
 
 
+ATTN_FOLDED_BLOCK_N = ATTN_BLOCK_N
+ATTN_FOLDED_BLOCK_N_CHOICES = (ATTN_BLOCK_N, ATTN_FP8_BLOCK_N)
+"""Context positions a folded M1C task's step covers (TileChoice.m1c_block_n),
+either cache; 64 (ATTN_FP8_BLOCK_N) over an fp8 cache only (a bf16 step of 64 is
+72 KB of shared memory a stage). At 64 the mono build's registers are the
+launch's: 64-position steps spilled in the step loop (offline sm_90a, TP8: 5
+stack accesses a step at S = 1, 183 at S = 16 at 3 CTAs a SM) and made the layer
+with M1c folded in slower on an H100 (fp8, 32 K: S = 1 157.1 -> 166.0 us, S = 16
+637.6 -> 694.2; docs/PERF.md, twenty-seventh session). At 2 CTAs a SM
+(FOLDED_M1C_CTAS_PER_SM in mono.py, 255 registers) they spill less (11 and 6
+local loads and stores a step at S = 16, 6 and 5 at S = 1), where M1c launched
+alone streams 32 K of fp8 cache at 98 % of the copy at S = 16 with 64 positions
+a step and 72 % with 32 (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES). A split's softmax
+sums over other steps at 64, so the bits of o and lse differ from 32's; the
+loopback pre-writes run M1c at the M1C tasks' tile (mla.folded_attn_tile)."""
+
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
     build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS,
     LATENT_ROWS, SHARED_ROWS, EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS,
-    X_K_PARTS and ATTN_FOLDED_STAGES)."""
+    X_K_PARTS, ATTN_FOLDED_STAGES and ATTN_FOLDED_BLOCK_N)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
@@ -440,16 +457,16 @@ class TileChoice:
     m1b_rows: int = BACK_BLOCK_DV
     shared_step_kb: int = DENSE_STEP_KB
     oproj_step_kb: int = DENSE_STEP_KB
-    router_step_kb: int = DENSE_STEP_KB
     expert_mma: bool = False  # the expert tasks on tensor cores (EXPERT_MMA_ROWS; gate_up_rows, down_rows unused)
     expert_f16: bool = False  # the expert loops' sums in f16 (weights in k3mono.mxfp4.f16_order; kernels/mxfp4.py)
     x_token_groups: bool = X_TOKEN_GROUPS  # above FMA_MAX_TOKENS: router and latent down by groups of tokens
     x_group_tokens: int = X_GROUP_TOKENS  # tokens such a group takes (X_GROUP_TOKENS_CHOICES)
     x_k_parts: int = X_K_PARTS  # the tl.dot router and latent down: parts of K a row tile (X_K_PARTS_CHOICES)
     m1c_stages: int = ATTN_FOLDED_STAGES  # the folded M1C tasks' context loop stages (ATTN_FOLDED_STAGES_CHOICES)
+    m1c_block_n: int = ATTN_FOLDED_BLOCK_N  # the folded M1C tasks' positions a step (ATTN_FOLDED_BLOCK_N_CHOICES)
 
     def check(self) -> None:
-        for name in ("dense_step_kb", "shared_step_kb", "oproj_step_kb", "router_step_kb"):
+        for name in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
             step_kb = getattr(self, name)
             if step_kb not in DENSE_STEP_KB_CHOICES:
                 raise K3InputError(f"tiles.{name}: expected one of {DENSE_STEP_KB_CHOICES}, got {step_kb!r}")
@@ -482,19 +499,15 @@ class TileChoice:
         if self.m1c_stages not in ATTN_FOLDED_STAGES_CHOICES:
             raise K3InputError(f"tiles.m1c_stages: expected one of {ATTN_FOLDED_STAGES_CHOICES}, "
                                f"got {self.m1c_stages!r}")
+        if self.m1c_block_n not in ATTN_FOLDED_BLOCK_N_CHOICES:
+            raise K3InputError(f"tiles.m1c_block_n: expected one of {ATTN_FOLDED_BLOCK_N_CHOICES}, "
+                               f"got {self.m1c_block_n!r}")
 
 
-def attn_steps(kv_fp8: bool, folded: bool = False) -> tuple[int, int]:
-    """(positions a step, the context loop's num_stages) of M1c over an fp8 or a bf16 cache,
-    launched alone or ``folded`` into the mono launch as its M1C tasks. Folded, an
-    fp8 cache keeps ATTN_BLOCK_N: the mono build's registers are
-    the launch's (168 a thread from 3 CTAs a SM), and 64-position steps spilled in
-    the step loop (offline sm_90a, TP8: 5 stack accesses a step at S = 1, 183 at
-    S = 16) and made the layer with M1c folded in slower on an H100 (fp8, 32 K:
-    S = 1 157.1 -> 166.0 us, S = 16 637.6 -> 694.2; docs/PERF.md, twenty-seventh
-    session), and both caches take ATTN_FOLDED_STAGES."""
-    if folded:
-        return ATTN_BLOCK_N, ATTN_FOLDED_STAGES
+def attn_steps(kv_fp8: bool) -> tuple[int, int]:
+    """(positions a step, the context loop's num_stages) of M1c launched alone over an
+    fp8 or a bf16 cache (the mono launch's M1C tasks take TileChoice.m1c_block_n and
+    m1c_stages: M1cGeometry)."""
     return (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES) if kv_fp8 else (ATTN_BLOCK_N, ATTN_STAGES)
 
 
@@ -651,8 +664,10 @@ class M1cGeometry:
 
 
 def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cShape,
-                 stages: int = ATTN_FOLDED_STAGES) -> M1cGeometry:
-    block_n, _ = attn_steps(shape.kv_fp8, folded=True)
+                 tiles: TileChoice = TileChoice()) -> M1cGeometry:
+    block_n, stages = tiles.m1c_block_n, tiles.m1c_stages
+    if block_n > ATTN_BLOCK_N and not shape.kv_fp8:
+        raise K3InputError(f"tiles.m1c_block_n: a bf16 cache takes {ATTN_BLOCK_N} positions a step, got {block_n}")
     return M1cGeometry(
         heads=cfg.num_attention_heads // tp,
         tokens=tokens,
@@ -711,7 +726,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         tokens_pad=max(next_pow2(tokens), DOT_MIN_TOKENS) if use_dot else next_pow2(tokens),
         use_dot=use_dot,
         oproj=_dense(H, C // tp, use_dot, tiles.oproj_step_kb, tiles.oproj_rows),
-        router=_dense(E // tp, H // x_parts, x_dot, tiles.router_step_kb, tiles.router_rows),  # a part's K
+        router=_dense(E // tp, H // x_parts, x_dot, step_kb, tiles.router_rows),  # a part's K
         latent_down=_dense(L // tp, H // x_parts, x_dot, step_kb, tiles.latent_rows),
         shared_gate_up=_dense(SI // tp, H, use_dot, tiles.shared_step_kb, tiles.shared_rows),
         final=_dense(H, max(L, SI) // tp, use_dot, step_kb, tiles.final_rows),
@@ -731,7 +746,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         router_rms=tokens <= ROUTER_RMS_MAX_TOKENS,
         x_parts=x_parts,
         m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
-        m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c, tiles.m1c_stages),
+        m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c, tiles),
     )
 
 

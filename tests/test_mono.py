@@ -443,7 +443,8 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     WIDE_OPROJ_STEP_KB o_proj step; every S the
     FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the expert weights evict_first;
     from MANY_CTAS_MIN_TOKENS 3 CTAs a SM under a register cap that keeps them
-    resident, but 2 with M1c folded in; a caller's options are kept as given."""
+    resident, but 2 with M1c folded in, whose M1C tasks keep 3 steps in flight from
+    FOLDED_M1C_DEEP_MIN_TOKENS; a caller's options are kept as given."""
     cfg = preset("kimi-k3")
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
@@ -460,9 +461,14 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     assert all(k.options.prefetch_final for k in keys.values())
     assert [k.ctas_per_sm for k in keys.values()] == [2, 2, 2, 2, 3]  # MANY_CTAS_MIN_TOKENS
     assert [k.max_registers for k in keys.values()] == [None, None, None, None, 168]
-    m1c = M1cShape(page_size=64, requests=16, kv_fp8=True)
-    folded = default_options(16, m1b=M1bShape(splits=16, latent=512), m1c=m1c)
-    assert folded.ctas_per_sm == FOLDED_M1C_CTAS_PER_SM == 2  # its M1C step loop spills at 3
+    m1b = M1bShape(splits=16, latent=512)
+    folded = {s: default_options(s, m1b=m1b, m1c=M1cShape(page_size=64, requests=s, kv_fp8=True)) for s in keys}
+    assert all(f.ctas_per_sm == FOLDED_M1C_CTAS_PER_SM == 2 for f in folded.values())  # its M1C step loop spills at 3
+    assert [f.tiles.m1c_stages for f in folded.values()] == [2, 2, 3, 3, 3]  # FOLDED_M1C_DEEP_MIN_TOKENS
+    assert all(replace(f.tiles, m1c_stages=keys[s].tiles.m1c_stages) == keys[s].tiles for s, f in folded.items())
+    assert all(default_options(s, m1b=m1b).tiles == keys[s].tiles for s in keys)  # M1b alone: the plain tiles
+    with_fields = default_options_with(16, {"ctas_per_sm": 3}, m1b=m1b, m1c=M1cShape(64, 16, 64, True))
+    assert (with_fields.ctas_per_sm, with_fields.tiles) == (3, folded[16].tiles)
     given = MonoOptions(tiles=TileChoice(down_rows=32))
     assert mono_key(cfg, 1, 8, 25, loopback=True, sms=132, options=given).options == given
 

@@ -20,6 +20,7 @@ from k3mono.floor import floor_bytes
 from k3mono.layout import peer_layout, scratch_layout
 from k3mono.mono import default_options
 from k3mono.planner import (
+    ATTN_FOLDED_BLOCK_N,
     ATTN_FOLDED_STAGES,
     BACK_SHORT_SPLITS,
     COL,
@@ -264,18 +265,24 @@ def test_m1c_needs_m1b_and_shapes_the_kernel_can_take():
             plan(preset("tiny"), 1, 2, 132, MonoOptions(m1b=m1b_shape_, m1c=m1c))
 
 
-def test_folded_m1c_stages_follow_the_tiles_and_change_nothing_else():
-    """TileChoice.m1c_stages: the M1C tasks' pipeline depth, nothing else of the
-    table (the same tasks, waits and bytes); an unknown depth is refused."""
+def test_folded_m1c_tile_follows_the_tiles_and_changes_nothing_else():
+    """TileChoice.m1c_stages and m1c_block_n: the M1C tasks' pipeline depth and
+    positions a step, nothing else of the table (the same tasks, waits and bytes);
+    an unknown depth or step is refused, and so are 64 positions over a bf16 cache."""
     cfg, m1b = preset("kimi-k3"), M1bShape(splits=16, latent=512)
     m1c = M1cShape(page_size=64, requests=4, kv_fp8=True)
     base = plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c))
-    deep = plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(m1c_stages=3)))
-    assert (base.geometry.m1c.stages, deep.geometry.m1c.stages) == (ATTN_FOLDED_STAGES, 3)
-    assert replace(deep.geometry.m1c, stages=ATTN_FOLDED_STAGES) == base.geometry.m1c
-    assert [t.row() for t in deep.tasks] == [t.row() for t in base.tasks]
-    with pytest.raises(K3InputError, match="m1c_stages"):
-        plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(m1c_stages=4)))
+    assert (base.geometry.m1c.stages, base.geometry.m1c.block_n) == (ATTN_FOLDED_STAGES, ATTN_FOLDED_BLOCK_N)
+    for field, geometry_field, value in (("m1c_stages", "stages", 3), ("m1c_block_n", "block_n", 64)):
+        other = plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(**{field: value})))
+        assert getattr(other.geometry.m1c, geometry_field) == value
+        assert replace(other.geometry.m1c, **{geometry_field: getattr(base.geometry.m1c, geometry_field)}) == (
+            base.geometry.m1c)
+        assert [t.row() for t in other.tasks] == [t.row() for t in base.tasks]
+        with pytest.raises(K3InputError, match=field):
+            plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(**{field: 4})))
+    with pytest.raises(K3InputError, match="m1c_block_n: a bf16 cache"):
+        plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=replace(m1c, kv_fp8=False), tiles=TileChoice(m1c_block_n=64)))
 
 
 def test_floor_with_m1c_counts_the_cache_and_q_not_the_split_outputs():
@@ -758,7 +765,7 @@ def test_cli_plan_bad_value_is_one_line_and_exit_2(args, message, capsys):
 
 def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
     """TileChoice.dense_step_kb (shared_step_kb for the shared gate/up tasks,
-    oproj_step_kb for o_proj's, router_step_kb for the router's) doubles or quadruples a dense task's K step
+    oproj_step_kb for o_proj's) doubles or quadruples a dense task's K step
     (never past the input width rounded up to a power of two), keeps its rows,
     and still streams every weight byte once."""
     cfg = preset("kimi-k3")
@@ -768,14 +775,13 @@ def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
     for tokens in (1, 8):
         base = stage_geometry(cfg, T, tokens)
         for kb in (16, 32):
-            widened = dict(dense_step_kb=kb, shared_step_kb=kb, oproj_step_kb=kb, router_step_kb=kb)
+            widened = dict(dense_step_kb=kb, shared_step_kb=kb, oproj_step_kb=kb)
             wide = stage_geometry(cfg, T, tokens, tiles=TileChoice(**widened))
             for stage, k in in_dims.items():
                 b, w = getattr(base, stage), getattr(wide, stage)
                 assert w.rows == b.rows, stage
                 assert w.block_k == min(b.block_k * kb // 8, 1 << (k - 1).bit_length()), stage
-            for own, stage in (("shared_step_kb", "shared_gate_up"), ("oproj_step_kb", "oproj"),
-                               ("router_step_kb", "router")):
+            for own, stage in (("shared_step_kb", "shared_gate_up"), ("oproj_step_kb", "oproj")):
                 alone = stage_geometry(cfg, T, tokens, tiles=TileChoice(**{own: kb}))
                 assert getattr(alone, stage) == getattr(wide, stage), own
                 assert [getattr(alone, s) for s in in_dims if s != stage] == [
@@ -784,8 +790,7 @@ def test_dense_step_widens_the_gemv_steps_along_k_only_where_the_dims_allow():
             streamed = lambda t: sorted(s for task in t.tasks for s in task.streams)  # noqa: E731
             assert streamed(table) == streamed(plan(cfg, T, tokens, 132))
     assert stage_geometry(cfg, T, 1, tiles=TileChoice(oproj_step_kb=32)).oproj.block_k == 2048  # K = C/T: one step
-    assert stage_geometry(cfg, T, 1, tiles=TileChoice(router_rows=1, router_step_kb=16)).router.block_k == 8192
-    for field in ("dense_step_kb", "shared_step_kb", "oproj_step_kb", "router_step_kb"):
+    for field in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
         with pytest.raises(K3InputError, match=field):
             plan(cfg, T, 1, 132, MonoOptions(tiles=TileChoice(**{field: 12})))
 
