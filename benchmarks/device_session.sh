@@ -51,8 +51,7 @@
 # m1c_fold_apart: where the fp8 MLA layer's folded way parts from the separate launches;
 # m1c_fold_bisect: the same at 4096 positions in each tree of $K3MONO_TREES (cf75fd7 against cf9e37c);
 # m1b_sleep: the M1b fold with pausing pollers; m1c_fold_ctas: the M1c fold at 2 CTAs a SM against 3 (S = 16);
-# m1c_fold_stages: the M1c fold at 3 stages checked and timed; m1c_fold_step64: its steps of 64 positions (fp8)
-# checked and timed;
+# m1c_fold_stages: the M1c fold at 3 stages checked and timed;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
 # so the logs are always packed into $OUT/session.tar.gz (the device returns 8 files at most).
@@ -292,14 +291,6 @@ for s in $STEPS; do
             --set m1c_stages=3
         step m1c_stages_2 130 python3 benchmarks/mla_layers.py --tokens 16 8 --set m1c_stages=2
         step m1c_stages_3 130 python3 benchmarks/mla_layers.py --tokens 16 8 --set m1c_stages=3 ;;
-    m1c_fold_step64)  # the M1c fold's steps of 64 positions over an fp8 cache (TileChoice.m1c_block_n) at 2 CTAs a SM:
-        # checked (the separate M1c at the fold's tile), then the MLA layer three ways (fp8, 32 K; S = 16, 8, 4) at the
-        # defaults (32 positions, 3 stages from S = 4), at 64 x 3 and at 64 x 2; the fold's trace at S = 16
-        step m1c_step64_check 150 python3 benchmarks/gpu_check_mla.py --tokens 16 8 --contexts 4096 --kv fp8 \
-            --set m1c_block_n=64
-        step m1c_step64_base 150 python3 benchmarks/mla_layers.py --tokens 16 8 4
-        step m1c_step64_3 150 python3 benchmarks/mla_layers.py --tokens 16 8 4 --set m1c_block_n=64
-        step m1c_step64_2 150 python3 benchmarks/mla_layers.py --tokens 16 8 4 --set m1c_block_n=64 m1c_stages=2 ;;
     mla_layers)  # the MLA layer three ways (fp8, 32 K; S = 1, 4, 16) here and in $K3MONO_BASE's tree, after a check
         # whose splits straddle cache pages (5000 positions, S = 4: 76 a split)
         step mla_layers_check 120 python3 benchmarks/gpu_check_mla.py --tokens 4 --contexts 5000 --kv fp8

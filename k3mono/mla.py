@@ -24,7 +24,7 @@ Geometry, and why:
   long context's cache read (576 bytes a position in fp8, 1152 in bf16).
 * ``ATTN_BLOCK_H``, ``attn_steps`` and ``ATTN_WARPS``: M1c's tile (16 heads; 64 positions a step
   at 3 pipeline stages over an fp8 cache, 32 at 3 over a bf16 one; in the mono launch's M1C
-  tasks TileChoice.m1c_block_n and m1c_stages, folded_attn_tile; 4 warps); ``BACK_BLOCK_DV``,
+  tasks 32 at TileChoice.m1c_stages, folded_attn_tile; 4 warps); ``BACK_BLOCK_DV``,
   ``BACK_SHORT_SPLITS``, ``BACK_CHUNK``, ``BACK_PAIRS`` and ``BACK_STAGES``: M1b's (``attn_tile``,
   ``BACK_TILE``); shared with the mono launch's M1C and M1B tasks, so the planner holds them (and why).
 

@@ -167,7 +167,25 @@ at 32 K (benchmarks/mla_layers.py, docs/PERF.md), 2 -> 3 stages: S = 16 556.5
 225.9 -> 223.1, but S = 1 154.0 -> 158.3 (one H100, thirty-first session: a
 split of 124 positions is four steps, and the deeper prologue costs more than
 it hides). The stages change no sums: the same bits (benchmarks/gpu_check_mla.py
---set m1c_stages=3 at S = 8 and 16)."""
+--set m1c_stages=3 at S = 8 and 16). Over an fp8 cache only: a bf16 cache's fold
+was not timed at 3 (its step takes 93,440 B of shared memory there, room for
+the 2 CTAs a SM still), so it keeps 2."""
+
+
+FOLDED_M1C_M1B_ROWS = 64
+FOLDED_M1C_WIDE_M1B_MIN_TOKENS = 16
+"""From S = FOLDED_M1C_WIDE_M1B_MIN_TOKENS on, a launch with M1c folded in gives
+an M1B task FOLDED_M1C_M1B_ROWS value rows (TileChoice.m1b_rows; planner.
+BACK_BLOCK_DV's 32 otherwise): every M1B task combines its head's splits again,
+and at S = 16 the 768 tasks of 32 rows ran 8.2 us each in three waves after the
+last M1C task, 26.5 us (the trace mla-trace-fp8-32768-S16-m1c-0196bdd-h100.json).
+Measured, the MLA layer with M1c and M1b folded in, fp8 cache at 32 K, one H100
+(benchmarks/mla_layers.py, docs/PERF.md, thirty-fourth session), 32 -> 64 rows:
+S = 16 548.7 -> 532.6 us, then alternating 551.1, 545.8 -> 531.7, 537.3; S = 8
+325.4 -> 326.0 (the M1b-folded launch, M1c apart: S = 16 478.2 -> 481.6, 477.9,
+480.6 -> 481.8, 481.8, so it keeps 32). The same bits (gpu_check_mla.py --set
+m1b_rows=64, S = 16). Either cache: the M1B tasks read M1c's fp32 split outputs
+and w_v, not the cache (a bf16 cache's fold was not timed)."""
 
 
 def default_ctas_per_sm(tokens: int, m1c_folded: bool = False) -> int:
@@ -293,13 +311,15 @@ against 64 / 16: S = 8 194.3, 193.5 / 191.2, 191.6, S = 16 325.1, 324.8 / 310.8,
 311.3."""
 
 
-def default_tiles(tokens: int, m1c_folded: bool = False, **given) -> TileChoice:
+def default_tiles(tokens: int, m1c: M1cShape | None = None, **given) -> TileChoice:
     """DEFAULT_TILES for S = ``tokens``: at S = 1 SINGLE_TOKEN_DOWN_ROWS down rows,
     SINGLE_TOKEN_SHARED_STEP_KB a shared gate/up step and SINGLE_TOKEN_ROUTER_ROWS /
     SINGLE_TOKEN_LATENT_ROWS router / latent rows, up to S = WIDE_OPROJ_MAX_TOKENS
     WIDE_OPROJ_STEP_KB an o_proj step, from S = WIDE_DOWN_MIN_TOKENS the wide
-    down tasks, where M1c is folded in (``m1c_folded``) from S =
-    FOLDED_M1C_DEEP_MIN_TOKENS FOLDED_M1C_DEEP_STAGES; any field in ``given`` overrides its default. The
+    down tasks; where M1c is folded in (``m1c``, its M1cShape) from S =
+    FOLDED_M1C_WIDE_M1B_MIN_TOKENS FOLDED_M1C_M1B_ROWS value rows an M1B task and, over
+    an fp8 cache, from S = FOLDED_M1C_DEEP_MIN_TOKENS FOLDED_M1C_DEEP_STAGES; any field
+    in ``given`` overrides its default. The
     tensor-core experts read mma order, so asking for them drops the default
     f16 sums (the other order) unless expert_f16 is given too."""
     tiles = DEFAULT_TILES
@@ -310,8 +330,10 @@ def default_tiles(tokens: int, m1c_folded: bool = False, **given) -> TileChoice:
         tiles = dataclasses.replace(tiles, oproj_step_kb=WIDE_OPROJ_STEP_KB)
     if tokens >= WIDE_DOWN_MIN_TOKENS:
         tiles = dataclasses.replace(tiles, down_rows=WIDE_DOWN_ROWS, down_step_kb=WIDE_DOWN_STEP_KB)
-    if m1c_folded and tokens >= FOLDED_M1C_DEEP_MIN_TOKENS:
+    if m1c is not None and m1c.kv_fp8 and tokens >= FOLDED_M1C_DEEP_MIN_TOKENS:
         tiles = dataclasses.replace(tiles, m1c_stages=FOLDED_M1C_DEEP_STAGES)
+    if m1c is not None and tokens >= FOLDED_M1C_WIDE_M1B_MIN_TOKENS:
+        tiles = dataclasses.replace(tiles, m1b_rows=FOLDED_M1C_M1B_ROWS)
     if given.get("expert_mma"):
         given = {"expert_f16": False, **given}
     return dataclasses.replace(tiles, **given)
@@ -359,7 +381,7 @@ def default_options(tokens: int, **choices) -> MonoOptions:
     at S = 1, expert_evict_first up to EVICT_FIRST_MAX_TOKENS), any field overridden by ``choices``
     (an M1cShape ``m1c`` among them sets the M1c fold's CTAs a SM)."""
     m1c_folded = choices.get("m1c") is not None
-    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens, m1c_folded), tiles=default_tiles(tokens, m1c_folded),
+    fields = dict(ctas_per_sm=default_ctas_per_sm(tokens, m1c_folded), tiles=default_tiles(tokens, choices.get("m1c")),
                   poll_sleep_ns=DEFAULT_POLL_SLEEP_NS, prefetch_final=DEFAULT_PREFETCH_FINAL,
                   shared_late=SINGLE_TOKEN_SHARED_LATE and tokens == 1, expert_evict_first=tokens <= EVICT_FIRST_MAX_TOKENS)
     return MonoOptions(**{**fields, **choices})
@@ -386,8 +408,7 @@ def default_options_with(tokens: int, fields: dict[str, int], **shapes) -> MonoO
             options[name] = option_types[name](value)
         else:
             raise K3InputError(f"options: {name!r} is neither a TileChoice field nor one of {OPTION_FIELDS}")
-    m1c_folded = shapes.get("m1c") is not None
-    return default_options(tokens, tiles=default_tiles(tokens, m1c_folded, **tiles), **options, **shapes)
+    return default_options(tokens, tiles=default_tiles(tokens, shapes.get("m1c"), **tiles), **options, **shapes)
 
 
 def parse_option_fields(items: list[str]) -> dict[str, int]:

@@ -396,10 +396,10 @@ against 154.0 / 225.9 / 595.6; the loop before, ids loaded in their own step, at
 session). At S = 16 that launch then planned 3 CTAs a SM (168 registers), where
 the step loop spilled; at the 2 it plans now (mono.FOLDED_M1C_CTAS_PER_SM, 255
 registers) 3 stages build without a spill in a step loop (offline sm_90a, fp8,
-TP8 loopback: 224 B of stack against 208 at 2, 56,576 B of shared memory), and
-64 positions a step still spill (11 and 6 local loads and stores a step at
-S = 16, 6 and 5 at S = 1). TileChoice.m1c_stages picks 2 or 3: the stages
-change where a step's copies wait, not its sums, so the bits stay."""
+TP8 loopback: 224 B of stack against 208 at 2, 56,576 B of shared memory).
+TileChoice.m1c_stages picks 2 or 3 (mono.FOLDED_M1C_DEEP_MIN_TOKENS: 3 from
+S = 4, measured): the stages change where a step's copies wait, not its sums,
+so the bits stay."""
 
 ATTN_FOLDED_STAGES_CHOICES = (2, 3)
 
@@ -422,27 +422,25 @@ loop before (ids loaded in their own step) at 2 stages 23.7 / 47.3 / 149.3."""
 
 
 ATTN_FOLDED_BLOCK_N = ATTN_BLOCK_N
-ATTN_FOLDED_BLOCK_N_CHOICES = (ATTN_BLOCK_N, ATTN_FP8_BLOCK_N)
-"""Context positions a folded M1C task's step covers (TileChoice.m1c_block_n),
-either cache; 64 (ATTN_FP8_BLOCK_N) over an fp8 cache only (a bf16 step of 64 is
-72 KB of shared memory a stage). At 64 the mono build's registers are the
-launch's: 64-position steps spilled in the step loop (offline sm_90a, TP8: 5
-stack accesses a step at S = 1, 183 at S = 16 at 3 CTAs a SM) and made the layer
-with M1c folded in slower on an H100 (fp8, 32 K: S = 1 157.1 -> 166.0 us, S = 16
-637.6 -> 694.2; docs/PERF.md, twenty-seventh session). At 2 CTAs a SM
-(FOLDED_M1C_CTAS_PER_SM in mono.py, 255 registers) they spill less (11 and 6
-local loads and stores a step at S = 16, 6 and 5 at S = 1), where M1c launched
-alone streams 32 K of fp8 cache at 98 % of the copy at S = 16 with 64 positions
-a step and 72 % with 32 (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES). A split's softmax
-sums over other steps at 64, so the bits of o and lse differ from 32's; the
-loopback pre-writes run M1c at the M1C tasks' tile (mla.folded_attn_tile)."""
+"""Context positions a folded M1C task's step covers, either cache (M1cGeometry;
+mla.folded_attn_tile gives a launch alone the same tile, for the loopback
+pre-writes). 64 (ATTN_FP8_BLOCK_N, over an fp8 cache) spilled in the step loop
+(offline sm_90a, TP8: 183 stack accesses a step at S = 16 at 3 CTAs a SM; at 2,
+11 and 6 at S = 16, 6 and 5 at S = 1) and, timed as a TileChoice field since
+removed, lost (the MLA layer with M1c folded in, fp8, 32 K, one H100: at 3 CTAs a
+SM S = 1 157.1 -> 166.0 us, S = 16 637.6 -> 694.2, twenty-seventh session; at
+2, 3 stages, S = 16 548.7 -> 543.7, S = 8 327.3 -> 343.9, S = 4 222.2 -> 243.1,
+thirty-fourth session; docs/PERF.md), where M1c launched alone streams 32 K of
+fp8 cache at 98 % of the copy at S = 16 with 64 positions a step and 72 % with
+32 (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES)."""
+
 
 @dataclass(frozen=True)
 class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
     build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS,
     LATENT_ROWS, SHARED_ROWS, EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS,
-    X_K_PARTS, ATTN_FOLDED_STAGES and ATTN_FOLDED_BLOCK_N)."""
+    X_K_PARTS and ATTN_FOLDED_STAGES)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
@@ -463,7 +461,6 @@ class TileChoice:
     x_group_tokens: int = X_GROUP_TOKENS  # tokens such a group takes (X_GROUP_TOKENS_CHOICES)
     x_k_parts: int = X_K_PARTS  # the tl.dot router and latent down: parts of K a row tile (X_K_PARTS_CHOICES)
     m1c_stages: int = ATTN_FOLDED_STAGES  # the folded M1C tasks' context loop stages (ATTN_FOLDED_STAGES_CHOICES)
-    m1c_block_n: int = ATTN_FOLDED_BLOCK_N  # the folded M1C tasks' positions a step (ATTN_FOLDED_BLOCK_N_CHOICES)
 
     def check(self) -> None:
         for name in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
@@ -499,15 +496,12 @@ class TileChoice:
         if self.m1c_stages not in ATTN_FOLDED_STAGES_CHOICES:
             raise K3InputError(f"tiles.m1c_stages: expected one of {ATTN_FOLDED_STAGES_CHOICES}, "
                                f"got {self.m1c_stages!r}")
-        if self.m1c_block_n not in ATTN_FOLDED_BLOCK_N_CHOICES:
-            raise K3InputError(f"tiles.m1c_block_n: expected one of {ATTN_FOLDED_BLOCK_N_CHOICES}, "
-                               f"got {self.m1c_block_n!r}")
 
 
 def attn_steps(kv_fp8: bool) -> tuple[int, int]:
     """(positions a step, the context loop's num_stages) of M1c launched alone over an
-    fp8 or a bf16 cache (the mono launch's M1C tasks take TileChoice.m1c_block_n and
-    m1c_stages: M1cGeometry)."""
+    fp8 or a bf16 cache (the mono launch's M1C tasks take ATTN_FOLDED_BLOCK_N and
+    TileChoice.m1c_stages: M1cGeometry)."""
     return (ATTN_FP8_BLOCK_N, ATTN_FP8_STAGES) if kv_fp8 else (ATTN_BLOCK_N, ATTN_STAGES)
 
 
@@ -665,9 +659,7 @@ class M1cGeometry:
 
 def m1c_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape, shape: M1cShape,
                  tiles: TileChoice = TileChoice()) -> M1cGeometry:
-    block_n, stages = tiles.m1c_block_n, tiles.m1c_stages
-    if block_n > ATTN_BLOCK_N and not shape.kv_fp8:
-        raise K3InputError(f"tiles.m1c_block_n: a bf16 cache takes {ATTN_BLOCK_N} positions a step, got {block_n}")
+    block_n, stages = ATTN_FOLDED_BLOCK_N, tiles.m1c_stages
     return M1cGeometry(
         heads=cfg.num_attention_heads // tp,
         tokens=tokens,

@@ -444,7 +444,8 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     FINAL prefetch; up to EVICT_FIRST_MAX_TOKENS the expert weights evict_first;
     from MANY_CTAS_MIN_TOKENS 3 CTAs a SM under a register cap that keeps them
     resident, but 2 with M1c folded in, whose M1C tasks keep 3 steps in flight from
-    FOLDED_M1C_DEEP_MIN_TOKENS; a caller's options are kept as given."""
+    FOLDED_M1C_DEEP_MIN_TOKENS over an fp8 cache and whose M1B tasks take 64 value
+    rows from FOLDED_M1C_WIDE_M1B_MIN_TOKENS; a caller's options are kept as given."""
     cfg = preset("kimi-k3")
     keys = {s: mono_key(cfg, s, 8, 25, loopback=True, sms=132) for s in (1, 2, 4, 8, 16)}
     assert keys[1].tiles == replace(DEFAULT_TILES, down_rows=SINGLE_TOKEN_DOWN_ROWS,
@@ -465,7 +466,11 @@ def test_defaults_take_fewer_down_rows_and_the_shared_tasks_late_at_one_token_on
     folded = {s: default_options(s, m1b=m1b, m1c=M1cShape(page_size=64, requests=s, kv_fp8=True)) for s in keys}
     assert all(f.ctas_per_sm == FOLDED_M1C_CTAS_PER_SM == 2 for f in folded.values())  # its M1C step loop spills at 3
     assert [f.tiles.m1c_stages for f in folded.values()] == [2, 2, 3, 3, 3]  # FOLDED_M1C_DEEP_MIN_TOKENS
-    assert all(replace(f.tiles, m1c_stages=keys[s].tiles.m1c_stages) == keys[s].tiles for s, f in folded.items())
+    assert [f.tiles.m1b_rows for f in folded.values()] == [32, 32, 32, 32, 64]  # FOLDED_M1C_WIDE_M1B_MIN_TOKENS
+    assert all(replace(f.tiles, m1c_stages=keys[s].tiles.m1c_stages, m1b_rows=keys[s].tiles.m1b_rows) == keys[s].tiles
+               for s, f in folded.items())
+    over_bf16 = default_options(16, m1b=m1b, m1c=M1cShape(page_size=64, requests=16, kv_fp8=False))
+    assert (over_bf16.tiles.m1c_stages, over_bf16.tiles.m1b_rows) == (2, 64)  # the deep stages timed over fp8 only
     assert all(default_options(s, m1b=m1b).tiles == keys[s].tiles for s in keys)  # M1b alone: the plain tiles
     with_fields = default_options_with(16, {"ctas_per_sm": 3}, m1b=m1b, m1c=M1cShape(64, 16, 64, True))
     assert (with_fields.ctas_per_sm, with_fields.tiles) == (3, folded[16].tiles)

@@ -34,7 +34,7 @@ from k3mono import mla
 from k3mono.config import preset
 from k3mono.errors import K3InputError
 from k3mono.mono import MonoRunner
-from k3mono.planner import ATTN_FOLDED_BLOCK_N, BACK_SHORT_SPLITS, M1bShape, M1cShape, MonoOptions, TileChoice
+from k3mono.planner import BACK_SHORT_SPLITS, M1bShape, M1cShape, MonoOptions, TileChoice
 from k3mono.reference import layer_post, layer_post_tp
 from k3mono.reference import mla as ref_mla
 from k3mono.runner import error_and_budget
@@ -286,33 +286,29 @@ def reference_m1c_core(m1c_in: list[dict], m1b_in: list[dict], mode: str, splits
     return torch.cat(cores, dim=1)
 
 
-def m1c_runner(cfg, shards, tokens: int, requests: int, kv_dtype, splits: int = SPLITS,
-               block_n: int = ATTN_FOLDED_BLOCK_N) -> MonoRunner:
+def m1c_runner(cfg, shards, tokens: int, requests: int, kv_dtype, splits: int = SPLITS) -> MonoRunner:
     options = MonoOptions(m1b=M1bShape(splits=splits, latent=LATENT),
-                          m1c=M1cShape(page_size=PAGE_SIZE, requests=requests, rope=ROPE, kv_fp8=kv_dtype == FP8),
-                          tiles=TileChoice(m1c_block_n=block_n))
+                          m1c=M1cShape(page_size=PAGE_SIZE, requests=requests, rope=ROPE, kv_fp8=kv_dtype == FP8))
     return MonoRunner(cfg, shards, tokens, LAYER, options=options)
 
 
-# the T = 2 fp8 cases' splits of 44 positions are two of the M1C tasks' steps at 32 positions a step (one of a
-# separate M1c's at its own tile, planner.attn_steps) and one at 64 (TileChoice.m1c_block_n): the loopback
-# pre-writes must come from the M1C tasks' tile
-M1C_CASES = [(1, [1], [13], torch.bfloat16, SPLITS, 32), (1, [2, 1], [13, 2], FP8, SPLITS, 32),
-             (2, [1, 2], [21, 9], torch.bfloat16, SPLITS, 32), (2, [2, 1], [130, 9], FP8, SPLITS, 32),
-             (2, [2, 1], [130, 9], FP8, SPLITS, 64), (2, [1, 2], [45, 9], torch.bfloat16, LONG_SPLITS, 32)]
+# the T = 2 fp8 case's splits of 44 positions are two of the M1C tasks' steps and one of a separate M1c's
+# (planner.attn_steps): the loopback pre-writes must come from the M1C tasks' tile (mla.folded_attn_tile)
+M1C_CASES = [(1, [1], [13], torch.bfloat16, SPLITS), (1, [2, 1], [13, 2], FP8, SPLITS),
+             (2, [1, 2], [21, 9], torch.bfloat16, SPLITS), (2, [2, 1], [130, 9], FP8, SPLITS),
+             (2, [1, 2], [45, 9], torch.bfloat16, LONG_SPLITS)]
 
 
-@pytest.mark.parametrize("tp,queries,seq_lens,kv_dtype,splits,block_n", M1C_CASES,
-                         ids=[f"T{t}-B{len(q)}-S{sum(q)}-{str(d)[6:]}-{k}-n{n}" for t, q, _, d, k, n in M1C_CASES])
+@pytest.mark.parametrize("tp,queries,seq_lens,kv_dtype,splits", M1C_CASES,
+                         ids=[f"T{t}-B{len(q)}-S{sum(q)}-{str(d)[6:]}-{k}" for t, q, _, d, k in M1C_CASES])
 def test_mono_with_m1c_and_m1b_matches_the_reference_chain_and_the_staged_kernels(tp, queries, seq_lens, kv_dtype,
-                                                                                   splits, block_n):
+                                                                                   splits):
     cfg, weights = preset("tiny"), layer_weights()
     shards, tokens = shard_all(weights, cfg, tp), sum(queries)
     act = random_inputs(cfg, tokens, LAYER, seed=60 + 7 * tp + tokens)
     m1c_in, m1b_in = m1c_inputs(cfg, tp, queries, seq_lens, kv_dtype, seed=tp * 10 + tokens)
-    runner = m1c_runner(cfg, shards, tokens, len(queries), kv_dtype, splits, block_n)
+    runner = m1c_runner(cfg, shards, tokens, len(queries), kv_dtype, splits)
     assert [t.kind.name for t in runner.compiled.table.tasks[:2]] == ["M1C", "M1C"]
-    assert runner.compiled.table.geometry.m1c.block_n == block_n
     got = runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"], m1c_in=m1c_in)
 
     # (b) each rank's launch wrote the staged M1c's split outputs and the staged M1b's core, bit for bit

@@ -265,24 +265,20 @@ def test_m1c_needs_m1b_and_shapes_the_kernel_can_take():
             plan(preset("tiny"), 1, 2, 132, MonoOptions(m1b=m1b_shape_, m1c=m1c))
 
 
-def test_folded_m1c_tile_follows_the_tiles_and_changes_nothing_else():
-    """TileChoice.m1c_stages and m1c_block_n: the M1C tasks' pipeline depth and
-    positions a step, nothing else of the table (the same tasks, waits and bytes);
-    an unknown depth or step is refused, and so are 64 positions over a bf16 cache."""
+def test_folded_m1c_stages_follow_the_tiles_and_change_nothing_else():
+    """TileChoice.m1c_stages: the M1C tasks' pipeline depth, nothing else of the
+    table (the same tasks, waits and bytes; ATTN_FOLDED_BLOCK_N positions a step
+    either way); an unknown depth is refused."""
     cfg, m1b = preset("kimi-k3"), M1bShape(splits=16, latent=512)
     m1c = M1cShape(page_size=64, requests=4, kv_fp8=True)
     base = plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c))
-    assert (base.geometry.m1c.stages, base.geometry.m1c.block_n) == (ATTN_FOLDED_STAGES, ATTN_FOLDED_BLOCK_N)
-    for field, geometry_field, value in (("m1c_stages", "stages", 3), ("m1c_block_n", "block_n", 64)):
-        other = plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(**{field: value})))
-        assert getattr(other.geometry.m1c, geometry_field) == value
-        assert replace(other.geometry.m1c, **{geometry_field: getattr(base.geometry.m1c, geometry_field)}) == (
-            base.geometry.m1c)
-        assert [t.row() for t in other.tasks] == [t.row() for t in base.tasks]
-        with pytest.raises(K3InputError, match=field):
-            plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(**{field: 4})))
-    with pytest.raises(K3InputError, match="m1c_block_n: a bf16 cache"):
-        plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=replace(m1c, kv_fp8=False), tiles=TileChoice(m1c_block_n=64)))
+    deep = plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(m1c_stages=3)))
+    assert (base.geometry.m1c.stages, deep.geometry.m1c.stages) == (ATTN_FOLDED_STAGES, 3)
+    assert base.geometry.m1c.block_n == deep.geometry.m1c.block_n == ATTN_FOLDED_BLOCK_N
+    assert replace(deep.geometry.m1c, stages=ATTN_FOLDED_STAGES) == base.geometry.m1c
+    assert [t.row() for t in deep.tasks] == [t.row() for t in base.tasks]
+    with pytest.raises(K3InputError, match="m1c_stages"):
+        plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(m1c_stages=4)))
 
 
 def test_floor_with_m1c_counts_the_cache_and_q_not_the_split_outputs():
