@@ -379,7 +379,7 @@ def default_options(tokens: int, **choices) -> MonoOptions:
     """MonoOptions at the measured defaults for S = ``tokens`` (default_ctas_per_sm,
     default_tiles, DEFAULT_POLL_SLEEP_NS, DEFAULT_PREFETCH_FINAL, SINGLE_TOKEN_SHARED_LATE
     at S = 1, expert_evict_first up to EVICT_FIRST_MAX_TOKENS), any field overridden by ``choices``
-    (an M1cShape ``m1c`` among them sets the M1c fold's CTAs a SM)."""
+    (an M1cShape ``m1c`` among them sets the M1c fold's CTAs a SM and tiles)."""
     m1c_folded = choices.get("m1c") is not None
     fields = dict(ctas_per_sm=default_ctas_per_sm(tokens, m1c_folded), tiles=default_tiles(tokens, choices.get("m1c")),
                   poll_sleep_ns=DEFAULT_POLL_SLEEP_NS, prefetch_final=DEFAULT_PREFETCH_FINAL,
