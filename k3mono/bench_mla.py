@@ -311,7 +311,7 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
 
     from .mla import attn_tile, folded_attn_tile
     from .mono import MonoRunner, default_options_with
-    from .planner import M1bShape, M1cShape, stage_geometry
+    from .planner import M1bShape, M1cShape
     from .synthetic import random_inputs
 
     def way_options(**shapes):
@@ -324,8 +324,8 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     m1b = M1bShape(splits=splits, latent=LATENT_DIM)
     m1c = M1cShape(page_size=PAGE_SIZE, requests=tokens, kv_fp8=kv_dtype == "fp8")
     attn = MlaInputs(gate=back_in["gate"], w_v=back_in["w_v"], **m1c_in)
-    fold_options = way_options(m1b=m1b, m1c=m1c)
-    fold_tile = folded_attn_tile(stage_geometry(cfg, tp, tokens, m1b, m1c, fold_options.tiles).m1c)
+    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=way_options(m1b=m1b, m1c=m1c), trace=trace)
+    fold_tile = folded_attn_tile(folded_c.compiled.table.geometry.m1c)
     attend, o, lse = attn_call(attn, splits, fold_tile if folded_tile else attn_tile(attn.kv))
     attend()  # the split outputs the m1b runner's M1b reads
     staged_back, core = back_call(attn, o, lse)
@@ -335,7 +335,6 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
     folded_b = MonoRunner(cfg, ranks, tokens, layer, options=way_options(m1b=m1b), trace=trace)
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
-    folded_c = MonoRunner(cfg, ranks, tokens, layer, options=fold_options, trace=trace)
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {
         "separate": lambda: (attend(), back(), plain.launch(0)),
