@@ -306,10 +306,11 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     M1C tasks' of the third way (mla.folded_attn_tile), which then gives the first two ways' bits. ``trace``:
     the two folded ways' launches are trace builds (k3mono/trace.py); ``fields``: the
     three launches' options other than each way's defaults (mono.default_options_with:
-    the M1c fold's CTAs a SM are its own)."""
+    the M1c fold's CTAs a SM are its own); the separate M1b runs at the M1b fold's tile
+    (mla.folded_back_tile), so the fields reach it too."""
     import dataclasses
 
-    from .mla import attn_tile, folded_attn_tile
+    from .mla import attn_tile, folded_attn_tile, folded_back_tile
     from .mono import MonoRunner, default_options_with
     from .planner import M1bShape, M1cShape
     from .synthetic import random_inputs
@@ -332,8 +333,9 @@ def mla_fused_calls(cfg, tp: int, tokens: int, context: int, kv_dtype: str, shar
     staged_back()
     plain = MonoRunner(cfg, ranks, tokens, layer, options=way_options())
     plain.load_inputs(core.repeat(1, tp), act["prefix"], act["blocks"])  # every rank's heads see rank 0's inputs
-    back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core)  # M1b writes what o_proj reads
     folded_b = MonoRunner(cfg, ranks, tokens, layer, options=way_options(m1b=m1b), trace=trace)
+    back, _ = back_call(attn, o, lse, core=plain.rank_states[0].core,  # M1b writes what o_proj reads
+                        tile=folded_back_tile(folded_b.compiled.table.geometry.m1b))
     folded_b.load_mla_inputs([dict(back_in, o=o, lse=lse)] * tp, act["prefix"], act["blocks"])
     folded_c.load_mla_inputs([back_in] * tp, act["prefix"], act["blocks"], m1c_in=[m1c_in] * tp)
     return {

@@ -13,7 +13,7 @@ Scratch of a rank (only that rank reads and writes it):
     x          [S, H]        bf16   the MoE input rms(h)
     route_ids  [S, K]        int32  ascending per token
     route_w    [S, K]        fp32   renormalised sigmoid scores, route_ids order
-    route_keys [S, P, K_PAD] int64  each route part's top-K keys (kernels/route.py)
+    route_keys [S, P, 2, K_PAD] int64  each route part's top-K keys, then their experts' scores (kernels/route.py)
     expert_act [S, K, I/T]   bf16   situ(gate, up) of each chosen expert, this rank's slice
     latent_sq  [S, PL]       fp32   each latent part's sum of bf16(sum of AR2)^2 (kernels/latent_norm.py)
     latent     [S, L/T]      bf16   the rank's columns of bf16(routed_expert_norm * bf16(sum of AR2)): the
@@ -53,6 +53,11 @@ REGION_ALIGN = 256
 """Bytes: a region boundary is aligned for every vector width and keeps two
 regions out of one 128-byte cache line, so a writer of one never invalidates
 a reader of the other."""
+
+ROUTE_PART_ROWS = 2
+"""Rows of a route part in route_keys: its top-K keys, then their experts'
+sigmoid scores, which the merge reads with the keys instead of loading the
+logits again after its sort (kernels/route.py)."""
 
 PEER_REGIONS = ("ar1", "logits", "z", "ar2", "ar3")
 SCRATCH_REGIONS = ("x", "route_ids", "route_w", "route_keys", "expert_act", "latent_sq", "latent", "shared_act",
@@ -100,7 +105,7 @@ def scratch_layout(cfg: K3Config, tp: int, tokens: int, m1c=None, x_parts: int =
         "x": ((S, H), torch.bfloat16),
         "route_ids": ((S, K), torch.int32),
         "route_w": ((S, K), torch.float32),
-        "route_keys": ((S, -(-E // route_chunk(E, K)), next_pow2(K)), torch.int64),
+        "route_keys": ((S, -(-E // route_chunk(E, K)), ROUTE_PART_ROWS, next_pow2(K)), torch.int64),
         "expert_act": ((S, K, cfg.moe_intermediate_size // tp), torch.bfloat16),
         "latent_sq": ((S, -(-L // latent_part_cols(L))), torch.float32),
         "latent": ((S, L // tp), torch.bfloat16),

@@ -60,6 +60,7 @@ from k3mono.kernels.experts import (
 from k3mono.kernels import experts as experts_mod
 from k3mono.kernels.mxfp4 import DEQUANT_F16, DEQUANT_IMAD, DEQUANT_SHIFT, launch_dequant
 from k3mono.kernels.route import launch_route
+from k3mono.layout import ROUTE_PART_ROWS
 from k3mono.planner import TileChoice, expert_step_groups, next_pow2, stage_geometry
 from k3mono.reference import BF16, ORACLE
 from k3mono.reference import stages as st
@@ -179,9 +180,10 @@ def test_dequant_every_scale_byte_exact(dequant):
 
 
 def route_keys(cfg, geom) -> torch.Tensor:
-    """The route parts' keys (layout.scratch_layout's route_keys), poisoned."""
+    """The route parts' keys and scores (layout.scratch_layout's route_keys), poisoned."""
     parts = -(-cfg.num_experts // geom.route_chunk)
-    return torch.full((geom.tokens, parts, triton.next_power_of_2(cfg.num_experts_per_token)), -1, dtype=torch.int64)
+    shape = (geom.tokens, parts, ROUTE_PART_ROWS, triton.next_power_of_2(cfg.num_experts_per_token))
+    return torch.full(shape, -1, dtype=torch.int64)
 
 
 def run_route(cfg, logits, bias):

@@ -27,6 +27,7 @@ from k3mono.mono import (DEFAULT_TILES, EVICT_FIRST_MAX_TOKENS, FOLDED_M1C_CTAS_
                          MonoBuild, MonoRunner, MonoTimeout, build, buffer_bytes, default_options, default_options_with,
                          default_tiles, mono_key, parse_option_fields,
                          peer_regions, scratch_regions)
+from k3mono.layout import ROUTE_PART_ROWS
 from k3mono.mxfp4 import mma_order
 from k3mono.kernels import mono as mono_kernels
 from k3mono.planner import (COL, MAX_WAITS, MONO_WARPS, SM_REGISTERS, M1bShape, M1cShape, MonoOptions, TaskKind,
@@ -414,7 +415,7 @@ def test_layout_regions_are_disjoint_and_hold_every_access(preset_name, tp, toke
         "x": (k["X_B"] * 2, S * H * 2),
         "route_ids": (k["IDS_I"] * 4, S * K * 4),
         "route_w": (k["RW_F"] * 4, S * K * 4),
-        "route_keys": (k["RK_I"] * 4, S * -(-E // k["RC"]) * triton.next_power_of_2(K) * 8),
+        "route_keys": (k["RK_I"] * 4, S * -(-E // k["RC"]) * ROUTE_PART_ROWS * triton.next_power_of_2(K) * 8),
         "expert_act": (k["ACT_B"] * 2, S * K * I_R * 2),
         "latent": (k["LAT_B"] * 2, S * (L // tp) * 2),
         "shared_act": (k["SACT_B"] * 2, S * SI_R * 2),
