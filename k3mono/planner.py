@@ -353,10 +353,12 @@ BACK_LONG_STAGES_CHOICES = (3, 4, 5, 6)
 M1c runs 264 at S = 1, 66 at S = 4, 33 at S = 8; TileChoice.m1b_long_stages): each
 step reads BACK_PAIRS rows of o (16 KB) into shared memory, and unpipelined each
 would wait out its load. A task recombines 540 KB of o at 264 splits, 33 steps
-with two in flight at 3: 17.4 us for M1b alone, 24.7 a task in the fold (the
-thirty-second session's S = 1 trace). At most 6: offline sm_90a, the M1c fold at
-S = 1 and 4 takes 38 / 57 KB of shared memory a CTA at 3, 86 KB at 6 (two CTAs a
-SM still fit) and 119 KB at 8 (one)."""
+with two in flight at 3: 17.4 us for M1b alone, 24.7 a task in the M1c fold (the
+thirty-second session's S = 1 trace). 3 is the depth the long combine had before
+it was its own, kept until a device times 4 to 6 (benchmarks/device_session.sh
+m1b_long). At most 6: offline sm_90a, the M1c fold at S = 1 and 4 takes 38 / 57
+KB of shared memory a CTA at 3, 86 KB at 6 (two CTAs a SM still fit) and 119 KB
+at 8 (one)."""
 
 BACK_SHORT_SPLITS = 16
 """At most this many splits (the mono fold's 16 at S = 1), M1b's combine steps
