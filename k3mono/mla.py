@@ -26,7 +26,8 @@ Geometry, and why:
   at 3 pipeline stages over an fp8 cache, 32 at 3 over a bf16 one; in the mono launch's M1C
   tasks 32 at TileChoice.m1c_stages, folded_attn_tile; 4 warps); ``BACK_BLOCK_DV``,
   ``BACK_SHORT_SPLITS``, ``BACK_CHUNK``, ``BACK_PAIRS``, ``BACK_STAGES`` and ``BACK_LONG_STAGES``: M1b's
-  (``attn_tile``, ``BACK_TILE``; the M1B tasks' ``folded_back_tile``); shared with the mono launch's M1C and M1B tasks, so the planner holds them (and why).
+  (``attn_tile``, ``BACK_TILE``; the M1B tasks' ``folded_back_tile``); shared with the mono launch's
+  M1C and M1B tasks, so the planner holds them (and why).
 
 ``staged_mla_layer_post`` is an MLA layer's post-attention half staged: M1b
 per rank, then the staged layer (the mono launch runs both in one:

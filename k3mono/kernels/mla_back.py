@@ -338,6 +338,6 @@ def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, short_splits, chu
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         w_v, w_v.stride(0), w_v.stride(1), float(w_v_scale), gate, gate.stride(0), core, core.stride(0),
         SPLITS=splits, SPLITS_P=next_pow2(splits), D_LATENT=latent, D_V=value, SHORT_SPLITS=short_splits,
-        CHUNK=min(chunk, latent), PAIRS=pairs, STAGES=stages, LONG_STAGES=long_stages, BLOCK_DV=block_dv, W_FP8=w_v.dtype == FP8,
-        UPCAST=common.UPCAST_DOT,
+        CHUNK=min(chunk, latent), PAIRS=pairs, STAGES=stages, LONG_STAGES=long_stages, BLOCK_DV=block_dv,
+        W_FP8=w_v.dtype == FP8, UPCAST=common.UPCAST_DOT,
     )
