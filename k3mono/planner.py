@@ -356,9 +356,10 @@ would wait out its load. A task recombines 540 KB of o at 264 splits, 33 steps
 with two in flight at 3: 17.4 us for M1b alone, 24.7 a task in the M1c fold (the
 thirty-second session's S = 1 trace). 3 is the depth the long combine had before
 it was its own, kept until a device times 4 to 6 (benchmarks/device_session.sh
-m1b_long). At most 6: offline sm_90a, the M1c fold at S = 1 and 4 takes 38 / 57
-KB of shared memory a CTA at 3, 86 KB at 6 (two CTAs a SM still fit) and 119 KB
-at 8 (one)."""
+m1b_long). At most 6: offline sm_90a, M1b alone at 264 splits takes 32 / 80 / 112
+KB of shared memory at 3 / 6 / 8; the M1c fold (fp8, TP8 loopback, M1c's 264 / 66
+splits at S = 1 / 4) 37 / 55 KB a CTA at 3 and 80 KB at 6, where two CTAs a SM
+still fit, but with more stack (S = 1 640 -> 720 B, S = 4 88 -> 328 B)."""
 
 BACK_SHORT_SPLITS = 16
 """At most this many splits (the mono fold's 16 at S = 1), M1b's combine steps
