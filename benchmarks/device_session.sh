@@ -51,8 +51,7 @@
 # m1c_fold_apart: where the fp8 MLA layer's folded way parts from the separate launches;
 # m1c_fold_bisect: the same at 4096 positions in each tree of $K3MONO_TREES (cf75fd7 against cf9e37c);
 # m1b_sleep: the M1b fold with pausing pollers; m1c_fold_ctas: the M1c fold at 2 CTAs a SM against 3 (S = 16);
-# m1c_fold_stages: the M1c fold at 3 stages checked and timed; m1b_long: M1b's long combine at more steps in
-# flight, alone, checked, the MLA layer at 3 and 6; route_scores: the route parts' scores beside
+# m1c_fold_stages: the M1c fold at 3 stages checked and timed; route_scores: the route parts' scores beside
 # their keys, checked, timed against $K3MONO_BASE's tree, the S = 1 trace;
 # on a machine of several GPUs also: gpus (ranks across them, against the NCCL unfused path).
 # K3MONO_BUDGET_S (default 560) bounds the whole session below the device's 600 s a call,
@@ -391,19 +390,6 @@ for s in $STEPS; do
         step router_rms_check 150 python3 benchmarks/gpu_check.py --tp 8 1 --tokens 1 --grids 132 1 --occupy-sms 66
         against_base router_rms 1
         step router_rms_trace 60 python3 benchmarks/mono_trace.py --tokens 1 --out "$RESULTS" ;;
-    m1b_long)  # M1b's long combine (more splits than the short one takes: the MLA layer's 264 / 66 / 33 at S = 1 /
-        # 4 / 8) at more steps in flight (TileChoice.m1b_long_stages): M1b alone at 3 to 6, the three ways checked at
-        # 6 (S = 1, 264 splits), then the MLA layer three ways (fp8, 32 K) at 3 and 6, alternating
-        step m1b_long_alone 90 python3 benchmarks/m1b_timing.py --tokens 1 4 --splits 264 66 --fold-tokens \
-            --long-stages 4 5 6
-        step m1b_long_check 110 python3 benchmarks/gpu_check_mla.py --tokens 1 4 --contexts 4096 --kv fp8 \
-            --set m1b_long_stages=6
-        for round in 1 2; do
-            for stages in 3 6; do
-                step "m1b_long_layers_${stages}_$round" 120 python3 benchmarks/mla_layers.py --tokens 1 4 8 \
-                    --set m1b_long_stages=$stages
-            done
-        done ;;
     route_scores)  # the route parts' scores beside their keys (ROUTE reads no logits after its sort): checked (staged
         # and mono, T = 1 and loopback T = 8, S = 1 and 8), timed against the tree in $K3MONO_BASE (the commit
         # before), alternating, twice; the S = 1 trace

@@ -3,12 +3,10 @@ rank of TP8, loopback) against the plain launch: the short device check of an
 M1b change (``bench --mla`` runs the same rows among many more).
 
     python benchmarks/m1b_timing.py [--tokens 1 16] [--splits 16 132 264] [--fold-tokens 1] [--short-tiles 128x3 128x5]
-        [--long-stages 4 6]
 
 ``--short-tiles CHUNKxSTAGES``: M1b alone also at these short-combine tiles
 (latent columns a step, steps in flight; mla.BACK_TILE's otherwise), for split
-counts up to mla.BACK_TILE's short_splits. ``--long-stages``: M1b alone also at
-these long-combine depths (steps in flight), for more splits.
+counts up to mla.BACK_TILE's short_splits.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[16, 132, 264])
     parser.add_argument("--fold-tokens", type=int, nargs="*", default=[1])
     parser.add_argument("--short-tiles", nargs="*", default=[], help="CHUNKxSTAGES, e.g. 128x5 256x3")
-    parser.add_argument("--long-stages", type=int, nargs="*", default=[], help="long-combine steps in flight")
     args = parser.parse_args()
     device = torch.device("cuda")
     short_tiles = [tuple(int(v) for v in text.split("x")) for text in args.short_tiles]
@@ -50,8 +47,6 @@ def main() -> None:
             tiles = [("", BACK_TILE)]
             if splits <= BACK_TILE["short_splits"]:
                 tiles += [(f" chunk {c} stages {st}", dict(BACK_TILE, chunk=c, stages=st)) for c, st in short_tiles]
-            else:
-                tiles += [(f" long stages {st}", dict(BACK_TILE, long_stages=st)) for st in args.long_stages]
             for name, tile in tiles:
                 backs = [back_call(inputs, o, lse, tile=tile)[0] for inputs, o, lse in partials]
                 print(f"M1b alone S={tokens:>2} {splits:>3} splits{name}: {1e6 * time_graph(backs):7.1f} us",

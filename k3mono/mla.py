@@ -25,7 +25,7 @@ Geometry, and why:
 * ``ATTN_BLOCK_H``, ``attn_steps`` and ``ATTN_WARPS``: M1c's tile (16 heads; 64 positions a step
   at 3 pipeline stages over an fp8 cache, 32 at 3 over a bf16 one; in the mono launch's M1C
   tasks 32 at TileChoice.m1c_stages, folded_attn_tile; 4 warps); ``BACK_BLOCK_DV``,
-  ``BACK_SHORT_SPLITS``, ``BACK_CHUNK``, ``BACK_PAIRS``, ``BACK_STAGES`` and ``BACK_LONG_STAGES``: M1b's
+  ``BACK_SHORT_SPLITS``, ``BACK_CHUNK``, ``BACK_PAIRS`` and ``BACK_STAGES``: M1b's
   (``attn_tile``, ``BACK_TILE``; the M1B tasks' ``folded_back_tile``); shared with the mono launch's
   M1C and M1B tasks, so the planner holds them (and why).
 
@@ -41,8 +41,8 @@ import torch
 from .errors import K3InputError
 from .kernels.mla_attn import FP8, check_mla_attn_args, check_q, launch_mla_attn, shape_text
 from .kernels.mla_back import check_mla_back_args, check_w_v, launch_mla_back
-from .planner import (ATTN_BLOCK_H, ATTN_WARPS, BACK_BLOCK_DV, BACK_CHUNK, BACK_LONG_STAGES, BACK_PAIRS,
-                      BACK_SHORT_SPLITS, BACK_STAGES, attn_steps)
+from .planner import (ATTN_BLOCK_H, ATTN_WARPS, BACK_BLOCK_DV, BACK_CHUNK, BACK_PAIRS, BACK_SHORT_SPLITS, BACK_STAGES,
+                      attn_steps)
 from .reference.mla import LATENT_DIM
 
 DEFAULT_SPLITS = 16
@@ -61,7 +61,7 @@ def folded_attn_tile(geometry) -> dict:
 
 
 BACK_TILE = dict(short_splits=BACK_SHORT_SPLITS, chunk=BACK_CHUNK, pairs=BACK_PAIRS, stages=BACK_STAGES,
-                 long_stages=BACK_LONG_STAGES, block_dv=BACK_BLOCK_DV)
+                 block_dv=BACK_BLOCK_DV)
 """launch_mla_back's tile arguments, the planner's (M1bGeometry holds the same)."""
 
 
@@ -69,7 +69,8 @@ def folded_back_tile(geometry) -> dict:
     """launch_mla_back's tile arguments of the mono launch's M1B tasks (a planner.M1bGeometry),
     so a launch alone runs as they do."""
     return dict(short_splits=geometry.short_splits, chunk=geometry.chunk, pairs=geometry.pairs,
-                stages=geometry.stages, long_stages=geometry.long_stages, block_dv=geometry.block_dv)
+                stages=geometry.stages, block_dv=geometry.block_dv)
+
 
 M1B_INPUTS = ("o", "lse", "w_v", "w_v_scale", "gate")
 """The keys of one rank's M1b input dict (mla_back's arguments)."""

@@ -609,10 +609,10 @@ def _m1b_consts(m1b) -> dict:
     """The M1B constexprs; without M1B the branch is compiled out and these are 1s."""
     if m1b is None:
         return dict(M1B=False, SPLITS=1, SPLITS_P=1, D_LATENT=1, D_V=1, M1B_SHORT_SPLITS=1, M1B_CHUNK=1,
-                    M1B_PAIRS=1, M1B_STAGES=1, M1B_LONG_STAGES=1, M1B_DV=1, W_V_FP8=False)
+                    M1B_PAIRS=1, M1B_STAGES=1, M1B_DV=1, W_V_FP8=False)
     return dict(M1B=True, SPLITS=m1b.splits, SPLITS_P=next_pow2(m1b.splits), D_LATENT=m1b.latent, D_V=m1b.value,
                 M1B_SHORT_SPLITS=m1b.short_splits, M1B_CHUNK=min(m1b.chunk, m1b.latent), M1B_PAIRS=m1b.pairs,
-                M1B_STAGES=m1b.stages, M1B_LONG_STAGES=m1b.long_stages, M1B_DV=m1b.block_dv, W_V_FP8=m1b.w_v_fp8)
+                M1B_STAGES=m1b.stages, M1B_DV=m1b.block_dv, W_V_FP8=m1b.w_v_fp8)
 
 
 def _m1c_consts(m1c) -> dict:

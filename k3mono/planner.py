@@ -344,22 +344,15 @@ launch with M1b folded in at 248 B of spills in an offline sm_90a build; 8 rows,
 16 B."""
 
 BACK_STAGES = 3
-"""Short-combine steps in flight (BACK_SHORT_SPLITS): at S = 1 M1b alone took 5.0 us
-at 3, 5.2 at 4, 5.3 at 5 (one H100, docs/PERF.md, twenty-seventh session)."""
-
-BACK_LONG_STAGES = 3
-BACK_LONG_STAGES_CHOICES = (3, 4, 5, 6)
-"""Long-combine steps in flight (more than BACK_SHORT_SPLITS splits: the MLA layer's
-M1c runs 264 at S = 1, 66 at S = 4, 33 at S = 8; TileChoice.m1b_long_stages): each
-step reads BACK_PAIRS rows of o (16 KB) into shared memory, and unpipelined each
-would wait out its load. A task recombines 540 KB of o at 264 splits, 33 steps
-with two in flight at 3: 17.4 us for M1b alone, 24.7 a task in the M1c fold (the
-thirty-second session's S = 1 trace). 3 is the depth the long combine had before
-it was its own, kept until a device times 4 to 6 (benchmarks/device_session.sh
-m1b_long). At most 6: offline sm_90a, M1b alone at 264 splits takes 32 / 80 / 112
-KB of shared memory at 3 / 6 / 8; the M1c fold (fp8, TP8 loopback, M1c's 264 / 66
-splits at S = 1 / 4) 37 / 55 KB a CTA at 3 and 80 KB at 6, where two CTAs a SM
-still fit, but with more stack (S = 1 640 -> 720 B, S = 4 88 -> 328 B)."""
+"""M1b steps in flight, in both combines. The short one (BACK_SHORT_SPLITS): at S =
+1 M1b alone took 5.0 us at 3, 5.2 at 4, 5.3 at 5 (one H100, twenty-seventh
+session). The long one (the MLA layer's M1c runs 264 splits at S = 1, 66 at S = 4,
+33 at S = 8; a step reads BACK_PAIRS rows of o, 16 KB, and unpipelined each would
+wait out its load): M1b alone on inputs from HBM took 17.4 us at 264 splits and
+S = 1, 14.4 / 14.1 / 14.2 at 4 / 5 / 6, but 10.2 at 66 splits and S = 4, 10.6 /
+11.2 / 11.7 deeper; in the MLA layer, where o comes from M1c through L2, S = 1 at 4
+and 6 was no faster in any of the three ways (one H100, docs/PERF.md,
+thirty-sixth session)."""
 
 BACK_SHORT_SPLITS = 16
 """At most this many splits (the mono fold's 16 at S = 1), M1b's combine steps
@@ -454,7 +447,7 @@ class TileChoice:
     """Task shapes the mono launch may take other than the staged path's (a
     build-key part; docs at DENSE_STEP_KB, EXPERT_ROWS, DOWN_STEP_KB, ROUTER_ROWS,
     LATENT_ROWS, SHARED_ROWS, EXPERT_LOOKAHEAD, HIDDEN_ROWS, BACK_BLOCK_DV, EXPERT_MMA_ROWS, X_TOKEN_GROUPS,
-    X_K_PARTS, ATTN_FOLDED_STAGES and BACK_LONG_STAGES)."""
+    X_K_PARTS and ATTN_FOLDED_STAGES)."""
 
     dense_step_kb: int = DENSE_STEP_KB
     gate_up_rows: int = EXPERT_ROWS
@@ -475,7 +468,6 @@ class TileChoice:
     x_group_tokens: int = X_GROUP_TOKENS  # tokens such a group takes (X_GROUP_TOKENS_CHOICES)
     x_k_parts: int = X_K_PARTS  # the tl.dot router and latent down: parts of K a row tile (X_K_PARTS_CHOICES)
     m1c_stages: int = ATTN_FOLDED_STAGES  # the folded M1C tasks' context loop stages (ATTN_FOLDED_STAGES_CHOICES)
-    m1b_long_stages: int = BACK_LONG_STAGES  # the M1B tasks' long-combine steps in flight (BACK_LONG_STAGES_CHOICES)
 
     def check(self) -> None:
         for name in ("dense_step_kb", "shared_step_kb", "oproj_step_kb"):
@@ -508,9 +500,6 @@ class TileChoice:
             raise K3InputError("tiles: expert_mma and expert_f16 are two orders of the expert weights; pick one")
         if self.m1b_rows not in BACK_BLOCK_DV_CHOICES:
             raise K3InputError(f"tiles.m1b_rows: expected one of {BACK_BLOCK_DV_CHOICES}, got {self.m1b_rows!r}")
-        if self.m1b_long_stages not in BACK_LONG_STAGES_CHOICES:
-            raise K3InputError(f"tiles.m1b_long_stages: expected one of {BACK_LONG_STAGES_CHOICES}, "
-                               f"got {self.m1b_long_stages!r}")
         if self.m1c_stages not in ATTN_FOLDED_STAGES_CHOICES:
             raise K3InputError(f"tiles.m1c_stages: expected one of {ATTN_FOLDED_STAGES_CHOICES}, "
                                f"got {self.m1c_stages!r}")
@@ -594,8 +583,7 @@ class M1bGeometry:
     head for one of the ``tokens`` (a task for all S combined 16 tokens' splits
     one after another at S = 16: the fold cost 59.2 us, a task a token 33.0 on
     the same H100), ``pairs`` rows of o a combine step (``chunk`` latent
-    columns when at most ``short_splits``), ``stages`` steps in flight
-    (``long_stages`` over more splits)."""
+    columns when at most ``short_splits``), ``stages`` steps in flight."""
 
     heads: int
     value: int
@@ -608,7 +596,6 @@ class M1bGeometry:
     chunk: int
     pairs: int
     stages: int
-    long_stages: int
 
     @property
     def blocks_per_head(self) -> int:
@@ -619,8 +606,7 @@ class M1bGeometry:
         return self.tokens * self.heads * self.blocks_per_head
 
 
-def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv: int = BACK_BLOCK_DV,
-                 long_stages: int = BACK_LONG_STAGES) -> M1bGeometry:
+def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv: int = BACK_BLOCK_DV) -> M1bGeometry:
     return M1bGeometry(
         heads=cfg.num_attention_heads // tp,
         value=cfg.v_head_dim,
@@ -633,7 +619,6 @@ def m1b_geometry(cfg: K3Config, tp: int, tokens: int, shape: M1bShape, block_dv:
         chunk=BACK_CHUNK,
         pairs=BACK_PAIRS,
         stages=BACK_STAGES,
-        long_stages=long_stages,
     )
 
 
@@ -759,7 +744,7 @@ def stage_geometry(cfg: K3Config, tp: int, tokens: int, m1b: M1bShape | None = N
         x_group_dot=x_dot,
         router_rms=tokens <= ROUTER_RMS_MAX_TOKENS,
         x_parts=x_parts,
-        m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows, tiles.m1b_long_stages),
+        m1b=None if m1b is None else m1b_geometry(cfg, tp, tokens, m1b, tiles.m1b_rows),
         m1c=None if m1c is None else m1c_geometry(cfg, tp, tokens, m1b, m1c, tiles),
     )
 

@@ -468,37 +468,6 @@ def test_m1b_short_combine_copies_its_first_steps_before_any_wait(run_compiled):
     run_compiled(_M1B_MEMORY_ORDER, timeout=300)
 
 
-_M1B_LONG_SHARED = textwrap.dedent(
-    """
-    import torch
-
-    from k3mono import mla
-    from k3mono.bench_mla import attn_call, back_call, make_inputs
-    from k3mono.kernels import mla_back
-    from k3mono.offline import MLA_CONTEXT, SM_SHARED_BYTES, build_launch, resource_usage
-
-    inputs = make_inputs(1, MLA_CONTEXT, "bf16", torch.device("cpu"), seed=0)
-    _, o, lse = attn_call(inputs, 264)
-    shared = {}
-    for stages in (3, 6):
-        call, _ = back_call(inputs, o, lse, tile=dict(mla.BACK_TILE, long_stages=stages))
-        shared[stages] = resource_usage(build_launch(mla_back._mla_back_kernel, call)[0])["shared"]
-    step = mla.BACK_TILE["pairs"] * o.shape[-1] * o.element_size()  # a step's rows of o
-    assert shared[6] - shared[3] >= 3 * step, shared  # the deeper pipeline holds its steps in shared memory
-    assert 2 * shared[6] <= SM_SHARED_BYTES, shared  # and two programs still fit a SM
-    print("ok")
-    """
-)
-
-
-def test_m1b_long_combine_stages_its_steps_in_shared_memory(run_compiled):
-    """The long combine's depth (long_stages) is its cp.async pipeline's, built
-    offline for Hopper (no GPU): three more stages take three more steps of o
-    in shared memory, and at the deepest choice two programs still fit a SM.
-    Runs in a child process: the interpreter, on in this one, cannot compile."""
-    run_compiled(_M1B_LONG_SHARED, timeout=300)
-
-
 _M1C_COPIES_IN_FLIGHT = textwrap.dedent(
     """
     from k3mono import offline

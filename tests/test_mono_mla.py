@@ -236,23 +236,6 @@ def test_m1b_tasks_of_fewer_value_rows_give_the_staged_chains_bits():
     same_as_staged_chain(cfg, shards, 1, m1b_in, act, runner)
 
 
-def test_m1b_long_combine_at_more_steps_in_flight_gives_the_staged_chains_bits():
-    """TileChoice.m1b_long_stages 5: the long combine's pipeline depth, which the
-    geometry hands to the M1B tasks; the sums, split by split, stay the staged
-    chain's (its M1b kernel at mla.BACK_TILE's depth)."""
-    cfg = preset("tiny")
-    shards = shard_all(layer_weights(), cfg, 1)
-    act = random_inputs(cfg, 1, LAYER, seed=8)
-    m1b_in = m1b_inputs(cfg, 1, 1, torch.bfloat16, seed=8, splits=LONG_SPLITS)
-    options = MonoOptions(m1b=M1bShape(splits=LONG_SPLITS, latent=LATENT), tiles=TileChoice(m1b_long_stages=5))
-    runner = MonoRunner(cfg, shards, 1, LAYER, options=options)
-    geometry = runner.compiled.table.geometry.m1b
-    assert (geometry.long_stages, geometry.stages) == (5, mla.BACK_TILE["stages"])
-    assert mla.folded_back_tile(geometry) == dict(mla.BACK_TILE, long_stages=5)
-    runner.layer_post_mla(m1b_in, act["prefix"], act["blocks"])
-    same_as_staged_chain(cfg, shards, 1, m1b_in, act, runner)
-
-
 # -- M1c in the launch too ------------------------------------------------------------------
 
 ROPE = 32  # DR: two halves of tl.dot's smallest width (kernels.mla_attn.HALVES_MIN)

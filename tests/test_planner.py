@@ -22,7 +22,6 @@ from k3mono.mono import default_options
 from k3mono.planner import (
     ATTN_FOLDED_BLOCK_N,
     ATTN_FOLDED_STAGES,
-    BACK_LONG_STAGES,
     BACK_SHORT_SPLITS,
     COL,
     MAX_WAITS,
@@ -280,19 +279,6 @@ def test_folded_m1c_stages_follow_the_tiles_and_change_nothing_else():
     assert [t.row() for t in deep.tasks] == [t.row() for t in base.tasks]
     with pytest.raises(K3InputError, match="m1c_stages"):
         plan(cfg, 8, 4, 132, MonoOptions(m1b=m1b, m1c=m1c, tiles=TileChoice(m1c_stages=4)))
-
-
-def test_m1b_long_stages_follow_the_tiles_and_change_nothing_else():
-    """TileChoice.m1b_long_stages: the long combine's pipeline depth, nothing
-    else of the table; an unknown depth is refused."""
-    cfg, m1b = preset("kimi-k3"), M1bShape(splits=264, latent=512)
-    base = plan(cfg, 8, 1, 132, MonoOptions(m1b=m1b))
-    deep = plan(cfg, 8, 1, 132, MonoOptions(m1b=m1b, tiles=TileChoice(m1b_long_stages=6)))
-    assert (base.geometry.m1b.long_stages, deep.geometry.m1b.long_stages) == (BACK_LONG_STAGES, 6)
-    assert replace(deep.geometry.m1b, long_stages=BACK_LONG_STAGES) == base.geometry.m1b
-    assert [t.row() for t in deep.tasks] == [t.row() for t in base.tasks]
-    with pytest.raises(K3InputError, match="m1b_long_stages"):
-        plan(cfg, 8, 1, 132, MonoOptions(m1b=m1b, tiles=TileChoice(m1b_long_stages=8)))
 
 
 def test_floor_with_m1c_counts_the_cache_and_q_not_the_split_outputs():

@@ -222,8 +222,7 @@ def mla_back_task(
     SHORT_SPLITS: tl.constexpr,  # at most this many splits: the short combine
     CHUNK: tl.constexpr,  # latent columns a short combine's step
     PAIRS: tl.constexpr,  # splits' rows of o a long combine's step
-    STAGES: tl.constexpr,  # short-combine steps in flight
-    LONG_STAGES: tl.constexpr,  # long-combine steps in flight
+    STAGES: tl.constexpr,  # steps in flight
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -248,7 +247,7 @@ def mla_back_task(
                         STAGES, BLOCK_DV, W_FP8, UPCAST)
     else:
         prefetch_l2(w_rows, w_rows + BLOCK_DV * stride_wd)
-        row = _combined_row(o_row, stride_ok, lse_row, stride_lk, SPLITS, SPLITS_P, D_LATENT, PAIRS, LONG_STAGES)
+        row = _combined_row(o_row, stride_ok, lse_row, stride_lk, SPLITS, SPLITS_P, D_LATENT, PAIRS, STAGES)
         w = tl.load(w_rows + tl.arange(0, BLOCK_DV)[:, None] * stride_wd + tl.arange(0, D_LATENT)[None, :])
         o_c = to_bf16(tl.where(pad == 0, row[None, :], 0.0))
         y = dot_acc(o_c, tl.trans(dequant_operand(w, w_v_scale, W_FP8)),
@@ -282,16 +281,15 @@ def _mla_back_kernel(
     SHORT_SPLITS: tl.constexpr,  # at most this many splits: the short combine
     CHUNK: tl.constexpr,  # latent columns a short combine's step
     PAIRS: tl.constexpr,  # splits' rows of o a long combine's step
-    STAGES: tl.constexpr,  # short-combine steps in flight
-    LONG_STAGES: tl.constexpr,  # long-combine steps in flight
+    STAGES: tl.constexpr,  # steps in flight
     BLOCK_DV: tl.constexpr,
     W_FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     mla_back_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), o_ptr, stride_ok, stride_os, stride_oh,
                   lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd, w_v_scale, gate_ptr, stride_gs,
-                  core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT, D_V, SHORT_SPLITS, CHUNK, PAIRS, STAGES, LONG_STAGES,
-                  BLOCK_DV, W_FP8, UPCAST)
+                  core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT, D_V, SHORT_SPLITS, CHUNK, PAIRS, STAGES, BLOCK_DV,
+                  W_FP8, UPCAST)
 
 
 def check_w_v(w_v) -> tuple[int, int, int]:
@@ -323,13 +321,12 @@ def check_mla_back_args(o, lse, w_v, gate, core, w_v_scale) -> None:
     check_same_device(*named)
 
 
-def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, short_splits, chunk, pairs, stages, long_stages,
-                    block_dv) -> None:
+def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, short_splits, chunk, pairs, stages, block_dv) -> None:
     """M1b into core [S, heads * DV] bf16. o [splits, S, heads, DL] fp32 and lse
     [splits, S, heads] fp32 from M1c; w_v [heads, DV, DL] bf16 or fp8 e4m3 (w_v_scale);
     gate [S, heads * DV] bf16. At most short_splits splits take the short combine
     (chunk latent columns a step), more the long one (pairs rows of o a step);
-    stages / long_stages: the short / long combine's steps in flight; block_dv is capped at DV."""
+    stages: steps in flight; block_dv is capped at DV."""
     check_mla_back_args(o, lse, w_v, gate, core, w_v_scale)
     splits, tokens, heads, latent = o.shape
     value = w_v.shape[1]
@@ -338,6 +335,6 @@ def launch_mla_back(o, lse, w_v, gate, core, *, w_v_scale=1.0, short_splits, chu
         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1),
         w_v, w_v.stride(0), w_v.stride(1), float(w_v_scale), gate, gate.stride(0), core, core.stride(0),
         SPLITS=splits, SPLITS_P=next_pow2(splits), D_LATENT=latent, D_V=value, SHORT_SPLITS=short_splits,
-        CHUNK=min(chunk, latent), PAIRS=pairs, STAGES=stages, LONG_STAGES=long_stages, BLOCK_DV=block_dv,
-        W_FP8=w_v.dtype == FP8, UPCAST=common.UPCAST_DOT,
+        CHUNK=min(chunk, latent), PAIRS=pairs, STAGES=stages, BLOCK_DV=block_dv, W_FP8=w_v.dtype == FP8,
+        UPCAST=common.UPCAST_DOT,
     )

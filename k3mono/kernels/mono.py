@@ -728,7 +728,6 @@ def _mono_kernel(
     M1B_CHUNK: tl.constexpr,
     M1B_PAIRS: tl.constexpr,
     M1B_STAGES: tl.constexpr,
-    M1B_LONG_STAGES: tl.constexpr,
     M1B_DV: tl.constexpr,
     W_V_FP8: tl.constexpr,
     M1C: tl.constexpr,  # the table has M1C tasks (planner.MonoOptions.m1c)
@@ -840,8 +839,7 @@ def _mono_kernel(
                     mla_back_task(tile // (D_V // M1B_DV), tile % (D_V // M1B_DV), token, o_ptr, stride_ok,
                                   stride_ot, stride_oh, lse_ptr, stride_lk, stride_ls, w_v_ptr, stride_wh, stride_wd,
                                   w_v_scale, gate_ptr, stride_gs, core_ptr, stride_cs, SPLITS, SPLITS_P, D_LATENT,
-                                  D_V, M1B_SHORT_SPLITS, M1B_CHUNK, M1B_PAIRS, M1B_STAGES, M1B_LONG_STAGES, M1B_DV,
-                                  W_V_FP8, UPCAST)
+                                  D_V, M1B_SHORT_SPLITS, M1B_CHUNK, M1B_PAIRS, M1B_STAGES, M1B_DV, W_V_FP8, UPCAST)
                     raise_counter(flags + rword, SCOPE)
             elif kind == K_OPROJ:
                 oproj_push_task(tile, core_ptr, stride_cs, w_o_ptr, peer_table_ptr, pf + AR1_F + rank * (S * H),
