@@ -350,9 +350,9 @@ session). The long one (the MLA layer's M1c runs 264 splits at S = 1, 66 at S = 
 33 at S = 8; a step reads BACK_PAIRS rows of o, 16 KB, and unpipelined each would
 wait out its load): M1b alone on inputs from HBM took 17.4 us at 264 splits and
 S = 1, 14.4 / 14.1 / 14.2 at 4 / 5 / 6, but 10.2 at 66 splits and S = 4, 10.6 /
-11.2 / 11.7 deeper; in the MLA layer, where o comes from M1c through L2, S = 1 at 4
-and 6 was no faster in any of the three ways (one H100, docs/PERF.md,
-thirty-sixth session)."""
+11.2 / 11.7 deeper; in the MLA layer, where M1c has just written o, S = 1 at 4 and
+6 was no faster in any of the three ways (one H100, docs/PERF.md, thirty-sixth
+session)."""
 
 BACK_SHORT_SPLITS = 16
 """At most this many splits (the mono fold's 16 at S = 1), M1b's combine steps
